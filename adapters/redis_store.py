@@ -1,0 +1,203 @@
+"""RedisStore: the Store seam over Redis, shared by every gateway process and replica.
+
+Keys (all under one prefix, all with TTLs so nothing needs sweeping):
+  {p}:win:{tenant}:{period}:{start}   hash: prompt_tokens, completion_tokens, cost_micro, requests
+  {p}:held:{tenant}                   zset of live reservations "id|tokens|cost_micro", score = expiry
+  {p}:rpm:{tenant}:{minute}           request counter of one minute
+  {p}:par:{tenant}                    zset of requests in flight, score = expiry
+  {p}:cache:{key}                     cached upstream continuations
+Reservations are taken by a Lua script, so concurrent requests in any number of processes cannot
+together pass a limit. Each call has a time-out; after a failure the store reports itself
+unavailable for a second instead of costing a time-out on every call.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from adapters.store import Billed, Headroom, Limits, Reservation, StoreUnavailable, WindowUsage, new_reservation, to_micro, windows_of
+
+# Sums live reservations (dropping expired ones) and checks every window; KEYS: held zset,
+# day hash, month hash. ARGV: now, expiry, member, tokens, cost, then (token, cost) limits of
+# day and month, -1 for none, then a flag: 1 to reserve, 0 only to report the headroom.
+HEADROOM_LUA = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local held_tok, held_cost = 0, 0
+for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local _, t, c = string.match(m, '^([^|]*)|([^|]*)|([^|]*)$')
+  held_tok = held_tok + tonumber(t)
+  held_cost = held_cost + tonumber(c)
+end
+local room_tok, room_cost = nil, nil
+for i = 2, 3 do
+  local used = redis.call('HMGET', KEYS[i], 'prompt_tokens', 'completion_tokens', 'cost_micro')
+  local tok_lim, cost_lim = tonumber(ARGV[4 + 2 * i - 2]), tonumber(ARGV[5 + 2 * i - 2])
+  if tok_lim >= 0 then
+    local r = tok_lim - (tonumber(used[1] or 0) + tonumber(used[2] or 0)) - held_tok
+    if room_tok == nil or r < room_tok then room_tok = r end
+  end
+  if cost_lim >= 0 then
+    local r = cost_lim - tonumber(used[3] or 0) - held_cost
+    if room_cost == nil or r < room_cost then room_cost = r end
+  end
+end
+if ARGV[10] == '1' then
+  local tok, cost = tonumber(ARGV[4]), tonumber(ARGV[5])
+  if (room_tok ~= nil and tok > room_tok) or (room_cost ~= nil and cost > room_cost) then
+    return {0, room_tok or 0, room_cost or 0}
+  end
+  redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
+  redis.call('PEXPIREAT', KEYS[1], math.floor(tonumber(ARGV[2]) * 1000) + 1000)
+end
+return {1, room_tok or 0, room_cost or 0}
+"""
+
+# KEYS: in-flight zset; ARGV: now, expiry, request id, max parallel
+PARALLEL_LUA = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
+redis.call('PEXPIREAT', KEYS[1], math.floor(tonumber(ARGV[2]) * 1000))
+return 1
+"""
+
+UNLIMITED = -1
+SKIP_AFTER_FAILURE_S = 1.0
+
+
+class RedisStore:
+    """Store over one Redis; every method raises StoreUnavailable when Redis does not answer."""
+
+    def __init__(self, url: str, prefix: str, timeout_s: float, reservation_ttl_s: float, cache_ttl_s: float) -> None:
+        self._redis = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0), decode_responses=True,
+        )
+        self._prefix = prefix
+        self._reservation_ttl_s = reservation_ttl_s
+        self._cache_ttl_s = cache_ttl_s
+        self._headroom_script = self._redis.register_script(HEADROOM_LUA)
+        self._parallel_script = self._redis.register_script(PARALLEL_LUA)
+        self._down_until = 0.0
+
+    async def _run(self, operation):
+        if time.monotonic() < self._down_until:
+            raise StoreUnavailable("Redis failed recently; retrying shortly")
+        try:
+            return await operation
+        except (RedisError, OSError) as exc:
+            self._down_until = time.monotonic() + SKIP_AFTER_FAILURE_S
+            raise StoreUnavailable(f"Redis unavailable: {type(exc).__name__}: {exc}") from exc
+
+    def _window_keys(self, tenant: str, now: float) -> list[tuple[str, int]]:
+        return [(f"{self._prefix}:win:{tenant}:{period}:{start}", ttl) for period, start, ttl in windows_of(now)]
+
+    async def _headroom_call(self, tenant: str, limits: Limits, now: float, reservation: Reservation | None) -> list[int]:
+        (day, _), (month, _) = self._window_keys(tenant, now)
+        member = f"{reservation.id}|{reservation.tokens}|{reservation.cost_micro}" if reservation else ""
+        args = [
+            now, now + self._reservation_ttl_s, member,
+            reservation.tokens if reservation else 0, reservation.cost_micro if reservation else 0,
+            _limit(limits.day_tokens), _limit_micro(limits.day_cost_usd),
+            _limit(limits.month_tokens), _limit_micro(limits.month_cost_usd),
+            1 if reservation else 0,
+        ]
+        keys = [f"{self._prefix}:held:{tenant}", day, month]
+        return await self._run(self._headroom_script(keys=keys, args=args))
+
+    async def reserve(self, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float) -> Reservation | None:
+        reservation = new_reservation(tenant, tokens, cost_usd)
+        ok, _, _ = await self._headroom_call(tenant, limits, now, reservation)
+        return reservation if ok == 1 else None
+
+    async def headroom(self, tenant: str, limits: Limits, now: float) -> Headroom:
+        _, tokens, cost = await self._headroom_call(tenant, limits, now, None)
+        has_tokens = limits.day_tokens is not None or limits.month_tokens is not None
+        has_cost = limits.day_cost_usd is not None or limits.month_cost_usd is not None
+        return Headroom(tokens if has_tokens else None, cost / 1e6 if has_cost else None)
+
+    async def settle(self, reservation: Reservation, billed: Billed, now: float) -> None:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.zrem(f"{self._prefix}:held:{reservation.tenant}", _member(reservation))
+        for key, ttl in self._window_keys(reservation.tenant, now):
+            pipe.hincrby(key, "prompt_tokens", billed.prompt_tokens)
+            pipe.hincrby(key, "completion_tokens", billed.completion_tokens)
+            pipe.hincrby(key, "cost_micro", to_micro(billed.cost_usd))
+            pipe.expire(key, ttl + 86_400)
+        await self._run(pipe.execute())
+
+    async def release(self, reservation: Reservation) -> None:
+        await self._run(self._redis.zrem(f"{self._prefix}:held:{reservation.tenant}", _member(reservation)))
+
+    async def count_request(self, tenant: str, now: float) -> None:
+        pipe = self._redis.pipeline(transaction=True)
+        for key, ttl in self._window_keys(tenant, now):
+            pipe.hincrby(key, "requests", 1)
+            pipe.expire(key, ttl + 86_400)
+        await self._run(pipe.execute())
+
+    async def usage(self, tenant: str, now: float) -> list[WindowUsage]:
+        pipe = self._redis.pipeline(transaction=False)
+        for key, _ in self._window_keys(tenant, now):
+            pipe.hgetall(key)
+        rows = await self._run(pipe.execute())
+        result = []
+        for (period, start, _), row in zip(windows_of(now), rows):
+            result.append(WindowUsage(
+                period, start, int(row.get("prompt_tokens", 0)), int(row.get("completion_tokens", 0)),
+                int(row.get("cost_micro", 0)) / 1e6, int(row.get("requests", 0)),
+            ))
+        return result
+
+    async def admit(self, tenant: str, request_id: str, per_minute: int | None, max_parallel: int | None,
+                    now: float) -> float | None:
+        if per_minute is not None:
+            minute = int(now // 60)
+            key = f"{self._prefix}:rpm:{tenant}:{minute}"
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.incr(key)
+            pipe.expire(key, 120)
+            count, _ = await self._run(pipe.execute())
+            if count > per_minute:
+                return (minute + 1) * 60 - now
+        if max_parallel is not None:
+            keys = [f"{self._prefix}:par:{tenant}"]
+            args = [now, now + self._reservation_ttl_s * 10, request_id, max_parallel]
+            if await self._run(self._parallel_script(keys=keys, args=args)) != 1:
+                return 1.0
+        return None
+
+    async def leave(self, tenant: str, request_id: str) -> None:
+        await self._run(self._redis.zrem(f"{self._prefix}:par:{tenant}", request_id))
+
+    async def cache_get(self, key: str) -> str | None:
+        return await self._run(self._redis.get(f"{self._prefix}:cache:{key}"))
+
+    async def cache_put(self, key: str, value: str) -> None:
+        await self._run(self._redis.set(f"{self._prefix}:cache:{key}", value, ex=int(self._cache_ttl_s)))
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._run(self._redis.ping()))
+        except StoreUnavailable:
+            return False
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def _member(reservation: Reservation) -> str:
+    return f"{reservation.id}|{reservation.tokens}|{reservation.cost_micro}"
+
+
+def _limit(value: int | None) -> int:
+    return UNLIMITED if value is None else value
+
+
+def _limit_micro(value: float | None) -> int:
+    return UNLIMITED if value is None else to_micro(value)

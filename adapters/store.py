@@ -1,0 +1,252 @@
+"""The Store seam: per-tenant usage ledger, budget reservations, rate limits and a text cache.
+
+Budgets are enforced by reservation: before an upstream call the decoder reserves its estimated
+billed tokens (and cost) against every window of the tenant; the store refuses atomically if
+used + reserved + asked would pass a limit. After the call, `settle` replaces the reservation
+with what was actually billed; `release` drops it unspent. A reservation expires on its own
+after `ttl_s`, so one left behind by a dead process cannot block a tenant for long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Protocol
+
+
+class StoreUnavailable(Exception):
+    """The store could not be reached in time; callers degrade to local-only, spending nothing."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-window budget limits; None means unlimited."""
+
+    day_tokens: int | None = None
+    day_cost_usd: float | None = None
+    month_tokens: int | None = None
+    month_cost_usd: float | None = None
+
+    @property
+    def unlimited(self) -> bool:
+        return all(v is None for v in (self.day_tokens, self.day_cost_usd, self.month_tokens, self.month_cost_usd))
+
+
+@dataclass(frozen=True)
+class Reservation:
+    tenant: str
+    id: str
+    tokens: int
+    cost_micro: int
+
+
+@dataclass(frozen=True)
+class Billed:
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: float
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class WindowUsage:
+    period: str  # "day" | "month"
+    start: str  # ISO date of the window's first day (UTC)
+    upstream_prompt_tokens: int
+    upstream_completion_tokens: int
+    upstream_cost_usd: float
+    requests: int
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """What the tenant can still spend, reservations of others subtracted; None: unlimited."""
+
+    tokens: int | None
+    cost_usd: float | None
+
+    @property
+    def exhausted(self) -> bool:
+        return (self.tokens is not None and self.tokens <= 0) or (self.cost_usd is not None and self.cost_usd <= 0)
+
+
+def windows_of(now: float) -> list[tuple[str, str, int]]:
+    """(period, window start as ISO date, seconds until the window ends) for each budget window."""
+    moment = datetime.fromtimestamp(now, timezone.utc)
+    day_start = moment.replace(hour=0, minute=0, second=0, microsecond=0)
+    month_start = day_start.replace(day=1)
+    next_month = (month_start.replace(day=28) + timedelta(days=4)).replace(day=1)
+    return [
+        ("day", day_start.date().isoformat(), math.ceil((day_start + timedelta(days=1)).timestamp() - now)),
+        ("month", month_start.date().isoformat(), math.ceil(next_month.timestamp() - now)),
+    ]
+
+
+def to_micro(usd: float) -> int:
+    return int(math.ceil(usd * 1_000_000))
+
+
+def new_reservation(tenant: str, tokens: int, cost_usd: float) -> Reservation:
+    return Reservation(tenant, uuid.uuid4().hex, tokens, to_micro(cost_usd))
+
+
+class Store(Protocol):
+    """Every method may raise StoreUnavailable; none blocks longer than the store's time-out."""
+
+    async def reserve(self, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float) -> Reservation | None:
+        """Hold `tokens`/`cost_usd` against the tenant's windows, or None if a limit would pass."""
+
+    async def settle(self, reservation: Reservation, billed: Billed, now: float) -> None:
+        """Replace the reservation by what was billed, atomically."""
+
+    async def release(self, reservation: Reservation) -> None:
+        """Drop a reservation that was not spent."""
+
+    async def headroom(self, tenant: str, limits: Limits, now: float) -> Headroom: ...
+
+    async def count_request(self, tenant: str, now: float) -> None: ...
+
+    async def usage(self, tenant: str, now: float) -> list[WindowUsage]: ...
+
+    async def admit(self, tenant: str, request_id: str, per_minute: int | None, max_parallel: int | None,
+                    now: float) -> float | None:
+        """Take a rate-limit slot; return None if admitted, else seconds to wait."""
+
+    async def leave(self, tenant: str, request_id: str) -> None: ...
+
+    async def cache_get(self, key: str) -> str | None: ...
+
+    async def cache_put(self, key: str, value: str) -> None: ...
+
+    async def ping(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class _Window:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_micro: int = 0
+    requests: int = 0
+
+
+@dataclass
+class MemoryStore:
+    """The embedded default: the same semantics as RedisStore, in one process."""
+
+    reservation_ttl_s: float = 60.0
+    cache_ttl_s: float = 86_400.0
+    _windows: dict[tuple[str, str, str], _Window] = field(default_factory=dict)
+    _held: dict[str, dict[str, tuple[Reservation, float]]] = field(default_factory=dict)
+    _minute: dict[tuple[str, int], int] = field(default_factory=dict)
+    _parallel: dict[str, dict[str, float]] = field(default_factory=dict)
+    _cache: dict[str, tuple[str, float]] = field(default_factory=dict)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def _window(self, tenant: str, period: str, start: str) -> _Window:
+        return self._windows.setdefault((tenant, period, start), _Window())
+
+    def _live(self, tenant: str, now: float) -> list[Reservation]:
+        held = self._held.setdefault(tenant, {})
+        for key in [k for k, (_, expires) in held.items() if expires <= now]:
+            del held[key]
+        return [r for r, _ in held.values()]
+
+    def _headroom(self, tenant: str, limits: Limits, now: float) -> Headroom:
+        live = self._live(tenant, now)
+        held_tokens = sum(r.tokens for r in live)
+        held_cost = sum(r.cost_micro for r in live)
+        token_room: list[int] = []
+        cost_room: list[int] = []
+        for period, start, _ in windows_of(now):
+            window = self._window(tenant, period, start)
+            tok_limit = limits.day_tokens if period == "day" else limits.month_tokens
+            cost_limit = limits.day_cost_usd if period == "day" else limits.month_cost_usd
+            if tok_limit is not None:
+                token_room.append(tok_limit - window.prompt_tokens - window.completion_tokens - held_tokens)
+            if cost_limit is not None:
+                cost_room.append(to_micro(cost_limit) - window.cost_micro - held_cost)
+        return Headroom(min(token_room) if token_room else None,
+                        min(cost_room) / 1e6 if cost_room else None)
+
+    async def reserve(self, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float) -> Reservation | None:
+        async with self._lock:
+            room = self._headroom(tenant, limits, now)
+            if (room.tokens is not None and tokens > room.tokens) or (
+                room.cost_usd is not None and to_micro(cost_usd) > to_micro(room.cost_usd)
+            ):
+                return None
+            reservation = new_reservation(tenant, tokens, cost_usd)
+            self._held[tenant][reservation.id] = (reservation, now + self.reservation_ttl_s)
+            return reservation
+
+    async def settle(self, reservation: Reservation, billed: Billed, now: float) -> None:
+        async with self._lock:
+            self._held.get(reservation.tenant, {}).pop(reservation.id, None)
+            for period, start, _ in windows_of(now):
+                window = self._window(reservation.tenant, period, start)
+                window.prompt_tokens += billed.prompt_tokens
+                window.completion_tokens += billed.completion_tokens
+                window.cost_micro += to_micro(billed.cost_usd)
+
+    async def release(self, reservation: Reservation) -> None:
+        self._held.get(reservation.tenant, {}).pop(reservation.id, None)
+
+    async def headroom(self, tenant: str, limits: Limits, now: float) -> Headroom:
+        return self._headroom(tenant, limits, now)
+
+    async def count_request(self, tenant: str, now: float) -> None:
+        for period, start, _ in windows_of(now):
+            self._window(tenant, period, start).requests += 1
+
+    async def usage(self, tenant: str, now: float) -> list[WindowUsage]:
+        result = []
+        for period, start, _ in windows_of(now):
+            w = self._windows.get((tenant, period, start), _Window())
+            result.append(WindowUsage(period, start, w.prompt_tokens, w.completion_tokens, w.cost_micro / 1e6, w.requests))
+        return result
+
+    async def admit(self, tenant: str, request_id: str, per_minute: int | None, max_parallel: int | None,
+                    now: float) -> float | None:
+        minute = int(now // 60)
+        for stale in [k for k in self._minute if k[1] < minute]:
+            del self._minute[stale]
+        if per_minute is not None:
+            count = self._minute.get((tenant, minute), 0) + 1
+            self._minute[(tenant, minute)] = count
+            if count > per_minute:
+                return (minute + 1) * 60 - now
+        if max_parallel is not None:
+            running = self._parallel.setdefault(tenant, {})
+            for key in [k for k, expires in running.items() if expires <= now]:
+                del running[key]
+            if len(running) >= max_parallel:
+                return 1.0
+            running[request_id] = now + self.reservation_ttl_s * 10
+        return None
+
+    async def leave(self, tenant: str, request_id: str) -> None:
+        self._parallel.get(tenant, {}).pop(request_id, None)
+
+    async def cache_get(self, key: str) -> str | None:
+        hit = self._cache.get(key)
+        if hit is None or hit[1] <= time.time():
+            return None
+        return hit[0]
+
+    async def cache_put(self, key: str, value: str) -> None:
+        self._cache[key] = (value, time.time() + self.cache_ttl_s)
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,93 @@
+"""A llama-cpp-python OpenAI server started as a child process: the embedded loopback upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+class UpstreamServerError(Exception):
+    """The child server did not start; the message is one line."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class UpstreamServer:
+    """`python -m llama_cpp.server` on 127.0.0.1, stopped with the gateway (and with its parent)."""
+
+    def __init__(self, gguf: Path, port: int, n_threads: int, n_ctx: int, alias: str) -> None:
+        self.port = port or free_port()
+        self.alias = alias
+        self.api_base = f"http://127.0.0.1:{self.port}/v1"
+        command = [
+            sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", alias,
+            "--host", "127.0.0.1", "--port", str(self.port), "--n_threads", str(n_threads),
+            "--n_threads_batch", str(n_threads), "--n_ctx", str(n_ctx), "--verbose", "False",
+        ]
+        # A file, not a pipe: a chatty child would block once a pipe nobody reads fills up.
+        self._log = tempfile.NamedTemporaryFile(prefix=f"upstream-{alias}-", suffix=".log", delete=False)
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+        self._process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=environ,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )
+
+    async def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Wait until the server answers /v1/models and one completion (warms its lazy set-up)."""
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if self._process.poll() is not None:
+                    raise UpstreamServerError(
+                        f"upstream server exited with {self._process.returncode}: {self.log_tail()}")
+                try:
+                    (await client.get(f"{self.api_base}/models")).raise_for_status()
+                    body = {"prompt": "Hi", "max_tokens": 1, "temperature": 0}
+                    (await client.post(f"{self.api_base}/completions", json=body, timeout=60.0)).raise_for_status()
+                    return
+                except httpx.HTTPError:
+                    await asyncio.sleep(0.25)
+        self.stop()
+        raise UpstreamServerError(f"upstream server on port {self.port} not ready after {timeout_s:.0f}s")
+
+    def log_tail(self) -> str:
+        lines = Path(self._log.name).read_text(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "(no output)"
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.send_signal(signal.SIGTERM)
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._log.close()
+        Path(self._log.name).unlink(missing_ok=True)
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if the gateway dies without stopping it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

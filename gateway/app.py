@@ -1,0 +1,61 @@
+"""The app factory: `create_app(settings)` builds a FastAPI app; its lifespan owns the Runtime."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI
+
+from gateway.errors import install_error_handlers
+from gateway.routes import router
+from gateway.runtime import Runtime
+from gateway.settings import Settings
+
+log = logging.getLogger("gateway")
+
+RuntimeFactory = Callable[[Settings], Awaitable[Runtime]]
+
+
+def create_app(settings: Settings, start_runtime: RuntimeFactory = Runtime.start) -> FastAPI:
+    """A gateway app. Models load and child servers start in the lifespan, not here."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.runtime = await start_runtime(settings)
+        log.info("gateway ready: aliases %s", ", ".join(app.state.runtime.aliases))
+        try:
+            yield
+        finally:
+            app.state.runtime.draining = True
+            await app.state.runtime.close()
+
+    app = FastAPI(title="routing-gateway", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(router)
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+class RequestIdMiddleware:
+    """Gives every response an `x-request-id` (the client's, if it sent one)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = dict(scope["headers"]).get(b"x-request-id", b"")
+        request_id = incoming[:64] or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + [(b"x-request-id", request_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

@@ -1,0 +1,149 @@
+"""POST /v1/chat/completions: admission, then the decoder, then OpenAI-shaped output."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from adapters.chat_template import TemplateError
+from adapters.local_model import QueueFull
+from adapters.store import StoreUnavailable
+from gateway.budget import HandoffGate
+from gateway.decoder import Decoding, DecodeRequest, Piece, TokenLogprob
+from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound, Overloaded, QuotaExceeded, RateLimited, param_of
+from gateway.runtime import Alias, Runtime
+from gateway.schemas import ChatCompletionRequest, RoutingOverride
+from gateway.settings import RoutingSettings
+from gateway.signals import Sampling
+from gateway.tenants import Tenant
+from policies import build_policy
+
+log = logging.getLogger("gateway.chat")
+
+
+@dataclass
+class Admitted:
+    """A request that passed admission: everything needed to decode and to answer."""
+
+    id: str
+    created: int
+    alias: Alias
+    tenant: Tenant
+    body: ChatCompletionRequest
+    decoding: Decoding
+
+
+def resolve_routing(alias: RoutingSettings, *overrides: dict | None) -> RoutingSettings:
+    """The alias's routing with the tenant's and then the request's overrides applied.
+
+    A new policy that needs a threshold (or target) must bring one unless it is the alias's own
+    policy; errors name the field as `routing.<field>`.
+    """
+    merged = alias.model_dump()
+    for override in overrides:
+        if not override:
+            continue
+        if override.get("policy") not in (None, merged["policy"]):
+            merged.update(threshold=None, target_fraction=None)
+        merged.update({k: v for k, v in override.items() if v is not None})
+    try:
+        return RoutingSettings(**merged)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = param_of(tuple(error["loc"])) or ("threshold" if "threshold" in error["msg"] else "policy")
+        if "target_fraction" in error["msg"]:
+            field = "target_fraction"
+        raise InvalidRequest(error["msg"].removeprefix("Value error, "), param=f"routing.{field}") from exc
+
+
+def wire_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    # Chat templates of open models know "system" but rarely "developer" (OpenAI's newer name).
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+
+
+async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -> Admitted:
+    """Refuse now (never mid-stream) whatever this request cannot get; else start it."""
+    body.check()
+    alias = runtime.aliases.get(body.model)
+    if alias is None or not tenant.may_use(body.model):
+        raise ModelNotFound(f"The model '{body.model}' does not exist or you do not have access to it.", param="model")
+    max_tokens = body.requested_max_tokens or runtime.settings.server.default_max_tokens
+    if max_tokens > runtime.settings.server.max_tokens_limit:
+        raise InvalidRequest(f"max_tokens is capped at {runtime.settings.server.max_tokens_limit}",
+                             param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+    routing = resolve_routing(alias.settings.routing, tenant.settings.routing,
+                              body.routing.model_dump(exclude_none=True) if body.routing else None)
+    try:
+        alias.local.check_admission()
+    except QueueFull as exc:
+        raise Overloaded(f"the local model is busy ({exc}); retry shortly") from exc
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    gate = await _gate(runtime, tenant, alias, request_id)
+    try:
+        decoding = _decoding(alias, gate, body, routing, max_tokens)
+    except GatewayError:
+        await leave(runtime, tenant, request_id)
+        raise
+    return Admitted(request_id, int(time.time()), alias, tenant, body, decoding)
+
+
+async def leave(runtime: Runtime, tenant: Tenant, request_id: str) -> None:
+    """Give back the request's parallel slot (it also expires on its own)."""
+    if tenant.settings.rate_limits.max_parallel is None:
+        return
+    try:
+        await runtime.ledger.store.leave(tenant.id, request_id)
+    except StoreUnavailable:
+        pass
+
+
+def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, routing: RoutingSettings,
+              max_tokens: int) -> Decoding:
+    policy = build_policy(routing.policy, routing.threshold, routing.target_fraction, routing.max_upstream_tokens,
+                          routing.max_upstream_share, routing.max_upstream_calls)
+    request = DecodeRequest(
+        messages=wire_messages(body), max_tokens=max_tokens, policy=policy,
+        sampling=Sampling(body.temperature, body.top_p), seed=body.seed, stop=tuple(body.stop or ()),
+        span=routing.span, continue_final=body.continue_final_message,
+        logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
+    )
+    try:
+        decoding = Decoding(alias.local, alias.upstream, gate, request)
+    except TemplateError as exc:
+        raise InvalidRequest(str(exc), param="messages") from exc
+    if decoding.limit <= 0:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {alias.local.n_ctx} tokens; the messages use "
+            f"{len(decoding.prompt_tokens)}.", param="messages")
+    return decoding
+
+
+async def _gate(runtime: Runtime, tenant: Tenant, alias: Alias, request_id: str) -> HandoffGate:
+    """Rate limits and budget at admission; a store fault degrades to local-only, never fails."""
+    store, now, limits = runtime.ledger.store, runtime.ledger.clock(), tenant.limits
+    gate = HandoffGate(runtime.ledger, tenant.id, limits, allowed=tenant.settings.allow_upstream)
+    if not gate.allowed:
+        gate.refusal = "upstream_forbidden"
+    rates = tenant.settings.rate_limits
+    try:
+        wait = await store.admit(tenant.id, request_id, rates.requests_per_minute, rates.max_parallel, now)
+        if wait is not None:
+            raise RateLimited("rate limit reached for this tenant", wait)
+        await store.count_request(tenant.id, now)
+        if gate.allowed and not limits.unlimited:
+            gate.headroom = await store.headroom(tenant.id, limits, now)
+    except StoreUnavailable:
+        gate.allowed, gate.refusal = False, "store_unavailable"
+        return gate
+    if gate.headroom is not None and gate.headroom.exhausted:
+        if tenant.settings.on_budget_exhausted == "refuse":
+            await leave(runtime, tenant, request_id)
+            raise QuotaExceeded("You exceeded your upstream budget for this period.")
+        gate.allowed, gate.refusal = False, "budget_exhausted"
+    return gate

@@ -1,0 +1,262 @@
+"""The collaborative decoder: a small local model writes every token, uncertain steps go upstream.
+
+Per step: local logits -> signal -> policy decision -> token(s) -> piece. A LOCAL step samples
+from the local model. An UPSTREAM step hands the partial answer to the large model, which
+writes up to `span` tokens of text; that text is re-tokenized with the local tokenizer and
+appended (rewinding to the common prefix where the boundary re-merges), and local decoding
+carries on. The local model is leased only while it decodes, so other requests use it while this
+one waits for its upstream. A failed or refused hand-off decodes the step locally instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from adapters.local_model import Lease, LocalModel
+from adapters.store import Billed
+from adapters.upstream import Continuation, Handoff, Upstream, UpstreamUnavailable
+from gateway.budget import HandoffGate
+from gateway.signals import Sampling, log_softmax, sample, signal_of
+from gateway.text_stream import TextReleaser
+from policies import Policy, Route, RoutingState, Signal
+
+LOCAL, UPSTREAM, CACHE = "local", "upstream", "cache"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    text: bytes
+    logprob: float
+    top: tuple[tuple[int, bytes, float], ...]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one step added to the answer: the text now safe to show and where it came from."""
+
+    text: str
+    tokens: tuple[int, ...]
+    source: str  # local | upstream | cache
+    signal: Signal | None
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    messages: list[dict[str, Any]]
+    max_tokens: int
+    policy: Policy
+    sampling: Sampling = Sampling()
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    span: int = 1
+    continue_final: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass
+class RoutingUsage:
+    """Per-request accounting, as returned in `usage.routing`."""
+
+    policy: str
+    upstream_calls: int = 0
+    upstream_prompt_tokens: int = 0
+    upstream_completion_tokens: int = 0
+    upstream_cost_usd: float = 0.0
+    degraded: list[str] = field(default_factory=list)
+
+    def degrade(self, reason: str) -> None:
+        if reason not in self.degraded:
+            self.degraded.append(reason)
+
+    def bill(self, continuation: Continuation) -> None:
+        self.upstream_calls += 1
+        self.upstream_prompt_tokens += continuation.prompt_tokens
+        self.upstream_completion_tokens += continuation.completion_tokens
+        self.upstream_cost_usd += continuation.cost_usd
+
+
+class Decoding:
+    """One request's decoding. Iterate `pieces()` once; then read `finish_reason` and usage."""
+
+    def __init__(self, local: LocalModel, upstream: Upstream | None, gate: HandoffGate, request: DecodeRequest) -> None:
+        self.local, self.upstream, self.gate, self.request = local, upstream, gate, request
+        prompt = local.template.render(request.messages, request.continue_final)
+        self.prompt_tokens: list[int] = local.tokenize_prompt(prompt)
+        self.limit = min(request.max_tokens, local.n_ctx - len(self.prompt_tokens))  # answer tokens
+        self.answer_tokens: list[int] = []
+        self.sources: list[str] = []  # where each answer token came from
+        self.answer_bytes = bytearray()
+        self.text = TextReleaser(request.stop)
+        self.usage = RoutingUsage(policy=request.policy.name)
+        self.finish_reason: str | None = None
+        self._rng = np.random.default_rng(request.seed)
+        self._upstream_closed = upstream is None or not gate.allowed
+        if upstream is not None and not gate.allowed:
+            self.usage.degrade(gate.refusal)
+
+    def source_counts(self) -> dict[str, int]:
+        return {name: self.sources.count(name) for name in (LOCAL, UPSTREAM, CACHE)}
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """The answer, piece by piece; the last piece releases any text still held back."""
+        while self.finish_reason is None:
+            logits, signal, route = None, None, Route.LOCAL
+            async with self.local.lease() as lease:
+                while self.finish_reason is None:
+                    logits = await lease.forward(self.prompt_tokens + self.answer_tokens)
+                    signal = signal_of(logits, len(self.answer_tokens))
+                    route = self._decide(signal)
+                    if route is Route.UPSTREAM:
+                        break
+                    yield self._local_step(logits, signal)
+            if route is Route.UPSTREAM:
+                yield await self._upstream_step(logits, signal)
+        tail = self.text.finish()
+        if tail:
+            yield Piece(tail, (), self.sources[-1] if self.sources else LOCAL, None)
+
+    # -- one step --
+
+    def _decide(self, signal: Signal) -> Route:
+        answered = len(self.answer_tokens)
+        state = RoutingState(
+            answer_tokens=answered,
+            upstream_tokens=answered - self.sources.count(LOCAL),
+            upstream_calls=self.usage.upstream_calls,
+            budget_tokens_left=self.gate.tokens_left(),
+            handoff_cost_tokens=len(self.prompt_tokens) + answered + self.request.span,
+        )
+        wanted = self.request.policy.decide(signal, state)
+        if wanted is Route.LOCAL or self._upstream_closed or self.text.mid_character:
+            return Route.LOCAL
+        if not self.upstream.available:
+            self.usage.degrade("upstream_unavailable")
+            return Route.LOCAL
+        return Route.UPSTREAM
+
+    def _local_step(self, logits: np.ndarray, signal: Signal) -> Piece:
+        token = sample(logits, self.request.sampling, self._rng)
+        if self.local.is_end_of_generation(token):
+            self.finish_reason = "stop"
+            return Piece("", (), LOCAL, signal)
+        logprobs = (self._logprob(logits, token),) if self.request.logprobs else ()
+        self.answer_tokens.append(token)
+        self.sources.append(LOCAL)
+        data = self.local.token_bytes(token)
+        self.answer_bytes += data
+        text = self.text.feed(data)
+        self._check_end()
+        return Piece(text, (token,), LOCAL, signal, logprobs)
+
+    async def _upstream_step(self, logits: np.ndarray, signal: Signal) -> Piece:
+        span = max(1, min(self.request.span, self.limit - len(self.answer_tokens)))
+        handoff = Handoff(self.request.messages, self.text.text, self.request.continue_final)
+        got = await self._continuation(handoff, span)
+        if got is None or (not got[0] and not got[1]):
+            return self._local_step(logits, signal)
+        text, finished, source = got
+        first_new, added = self._append_text(text, source)
+        delta = self.text.feed(added)
+        if finished:
+            self.finish_reason = "stop"
+        self._check_end()
+        logprobs = await self._score(first_new) if self.request.logprobs else ()
+        return Piece(delta, tuple(self.answer_tokens[first_new:]), source, signal, logprobs)
+
+    async def _continuation(self, handoff: Handoff, span: int) -> tuple[str, bool, str] | None:
+        """(text, finished, source) from the cache or the upstream; None to decode locally."""
+        deterministic = self.request.sampling.greedy
+        key = self.upstream.cache_key(handoff, span)
+        if deterministic:
+            cached = await self.gate.cache_get(key)
+            if cached is not None:
+                return cached[1:], cached[0] == "1", CACHE
+        continuation = await self._call_upstream(handoff, span)
+        if continuation is None:
+            return None
+        if deterministic:
+            await self.gate.cache_put(key, ("1" if continuation.finished else "0") + continuation.text)
+        return continuation.text, continuation.finished, UPSTREAM
+
+    async def _call_upstream(self, handoff: Handoff, span: int) -> Continuation | None:
+        estimate = self.upstream.estimate_prompt_tokens(handoff) + span
+        reservation = await self.gate.reserve(estimate, self.upstream.estimate_cost(estimate - span, span))
+        if reservation is None:
+            self.usage.degrade(self.gate.refusal)
+            self._upstream_closed = True
+            return None
+        sampling = self.request.sampling
+        try:
+            continuation = await self.upstream.continue_text(
+                handoff, span, sampling.temperature, sampling.top_p, self.request.seed
+            )
+        except UpstreamUnavailable:
+            await asyncio.shield(self.gate.release(reservation))
+            self.usage.degrade("upstream_unavailable")
+            return None
+        except BaseException:
+            await asyncio.shield(self.gate.release(reservation))
+            raise
+        self.usage.bill(continuation)
+        await asyncio.shield(self.gate.settle(reservation, Billed(
+            continuation.prompt_tokens, continuation.completion_tokens, continuation.cost_usd)))
+        return continuation
+
+    # -- helpers --
+
+    def _append_text(self, text: str, source: str) -> tuple[int, bytes]:
+        """Append upstream text, re-tokenized locally; return (first new token index, new bytes).
+
+        The whole answer is re-tokenized so a boundary that merges ("Par" + "is" -> "Paris")
+        becomes the token the local model would have seen; tokens past the common prefix are
+        replaced, and the next forward() rewinds the KV cache to that prefix. Tokens past the
+        answer's limit are dropped with their text.
+        """
+        before = len(self.answer_bytes)
+        self.answer_bytes += text.encode("utf-8")
+        tokens = self.local.tokenize_text(bytes(self.answer_bytes))
+        if len(tokens) > self.limit:
+            tokens = tokens[: self.limit]
+            self.answer_bytes = bytearray(b"".join(self.local.token_bytes(t) for t in tokens))
+        common = 0
+        for old, new in zip(self.answer_tokens, tokens):
+            if old != new:
+                break
+            common += 1
+        self.answer_tokens = tokens
+        self.sources = self.sources[:common] + [source] * (len(tokens) - common)
+        return common, bytes(self.answer_bytes[before:])
+
+    def _check_end(self) -> None:
+        if self.finish_reason is not None:
+            return
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        elif len(self.answer_tokens) >= self.limit:
+            self.finish_reason = "length"
+
+    def _logprob(self, logits: np.ndarray, token: int) -> TokenLogprob:
+        logp = log_softmax(logits)
+        k = self.request.top_logprobs
+        top = np.argpartition(-logp, k)[:k] if k else np.array([], dtype=int)
+        top = top[np.argsort(-logp[top])]
+        entries = tuple((int(t), self.local.token_bytes(int(t)), float(logp[t])) for t in top)
+        return TokenLogprob(token, self.local.token_bytes(token), float(logp[token]), entries)
+
+    async def _score(self, first: int) -> tuple[TokenLogprob, ...]:
+        """The local model's logprobs for answer tokens from `first` on (written upstream)."""
+        scored = []
+        async with self.local.lease() as lease:
+            for index in range(first, len(self.answer_tokens)):
+                logits = await lease.forward(self.prompt_tokens + self.answer_tokens[:index])
+                scored.append(self._logprob(logits, self.answer_tokens[index]))
+        return tuple(scored)

@@ -1,0 +1,118 @@
+"""The gateway's exceptions and the one renderer of OpenAI's error envelope."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("gateway.errors")
+
+
+class GatewayError(Exception):
+    """An error a client sees: HTTP status, OpenAI `type` and `code`, and the offending `param`."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.headers = message, param, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(GatewayError):
+    status, type = 400, "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class Unauthenticated(GatewayError):
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    status, type, code = 403, "invalid_request_error", "permission_denied"
+
+
+class ModelNotFound(GatewayError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class RateLimited(GatewayError):
+    status, type, code = 429, "requests", "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message, headers={"retry-after": str(max(1, round(retry_after_s)))})
+
+
+class QuotaExceeded(GatewayError):
+    status, type, code = 429, "insufficient_quota", "insufficient_quota"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"x-should-retry": "false"})
+
+
+class Overloaded(GatewayError):
+    status, type, code = 503, "server_error", "overloaded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, headers={"retry-after": str(max(1, round(retry_after_s)))})
+
+
+def error_response(error: GatewayError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def sse_error_event(error: GatewayError) -> dict:
+    """An error after the stream started: one `data: {"error": ...}` event."""
+    return {"data": json.dumps(error.body())}
+
+
+def param_of(location: tuple) -> str | None:
+    """pydantic's error location as OpenAI's param: ('messages', 0, 'content') -> messages[0].content."""
+    parts: list[str] = []
+    for item in location:
+        if item in ("body",) and not parts:
+            continue
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif parts:
+            parts.append(f".{item}")
+        else:
+            parts.append(str(item))
+    return "".join(parts) or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as {"error": {...}}; never FastAPI's {"detail": ...}."""
+
+    @app.exception_handler(GatewayError)
+    async def _gateway(_: Request, exc: GatewayError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        return error_response(InvalidRequest(first["msg"], param=param_of(tuple(first["loc"]))))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = InvalidRequest if exc.status_code < 500 else GatewayError
+        error = kind(str(exc.detail))
+        error.status, error.code = exc.status_code, "not_found" if exc.status_code == 404 else None
+        return error_response(error)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(GatewayError("internal error; the gateway logged the details"))

@@ -1,0 +1,182 @@
+"""The HTTP endpoints. Each handler is thin: parse, authenticate, delegate, render."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from sse_starlette.sse import EventSourceResponse
+
+from gateway.chat import Admitted, admit, leave
+from gateway.decoder import Piece
+from gateway.errors import Forbidden, GatewayError, InvalidRequest, Unauthenticated, param_of, sse_error_event
+from gateway.responses import chunk, completion_body, routing_header, usage_chunk
+from gateway.runtime import Runtime
+from gateway.schemas import ChatCompletionRequest
+from gateway.tenants import Tenant
+
+log = logging.getLogger("gateway.routes")
+router = APIRouter()
+
+
+def runtime_of(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+def bearer_key(request: Request) -> str:
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise Unauthenticated("Missing API key: send 'Authorization: Bearer <key>'.")
+    return key.strip()
+
+
+def authenticate(request: Request) -> Tenant:
+    tenant = runtime_of(request).tenants.authenticate(bearer_key(request))
+    if tenant is None:
+        raise Unauthenticated("Incorrect API key provided.")
+    return tenant
+
+
+async def parse_chat_request(request: Request) -> ChatCompletionRequest:
+    limit = runtime_of(request).settings.server.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise InvalidRequest(f"request body exceeds {limit} bytes")
+    raw = await request.body()
+    if len(raw) > limit:
+        raise InvalidRequest(f"request body exceeds {limit} bytes")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {error['loc'][-1]}"
+        raise InvalidRequest(message, param=param_of(tuple(error["loc"]))) from exc
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    runtime = runtime_of(request)
+    tenant = authenticate(request)
+    body = await parse_chat_request(request)
+    admitted = await admit(runtime, tenant, body)
+    if body.stream:
+        return EventSourceResponse(_stream(runtime, admitted), sep="\n", ping=15)
+    try:
+        pieces = [piece async for piece in admitted.decoding.pieces()]
+    finally:
+        await leave(runtime, tenant, admitted.id)
+    return JSONResponse(completion_body(admitted, pieces), headers={"x-routing-summary": routing_header(admitted)})
+
+
+async def _stream(runtime: Runtime, admitted: Admitted):
+    """SSE events: role, one delta per piece (finish_reason on the last), usage, [DONE]."""
+    try:
+        yield _event(chunk(admitted, {"role": "assistant", "content": ""}))
+        last: Piece | None = None
+        async for piece in admitted.decoding.pieces():
+            if not piece.text:
+                continue  # nothing showable yet (a split character or a possible stop string)
+            if last is not None:
+                yield _event(chunk(admitted, {"content": last.text}, piece=last))
+            last = piece
+        finish = admitted.decoding.finish_reason
+        delta = {"content": last.text} if last else {}
+        yield _event(chunk(admitted, delta, finish_reason=finish, piece=last))
+        options = admitted.body.stream_options
+        if options is not None and options.include_usage:
+            yield _event(usage_chunk(admitted))
+        yield {"data": "[DONE]"}
+    except GatewayError as error:
+        yield sse_error_event(error)
+    except Exception:  # noqa: BLE001 - the stream has started: report, don't crash
+        log.exception("error while streaming %s", admitted.id)
+        yield sse_error_event(GatewayError("internal error while decoding; the gateway logged the details"))
+    finally:
+        await leave(runtime, admitted.tenant, admitted.id)
+
+
+def _event(body: dict) -> dict:
+    return {"data": json.dumps(body, ensure_ascii=False)}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    runtime = runtime_of(request)
+    tenant = authenticate(request)
+    data = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "routing-gateway",
+         "local": alias.settings.local, "upstream": alias.settings.upstream,
+         "routing": alias.settings.routing.model_dump(exclude_none=True)}
+        for name, alias in runtime.aliases.items() if tenant.may_use(name)
+    ]
+    return {"object": "list", "data": data}
+
+
+@router.get("/v1/usage")
+async def tenant_usage(request: Request):
+    tenant = authenticate(request)
+    return await _usage(runtime_of(request), tenant)
+
+
+@router.get("/admin/tenants/{tenant_id}/usage")
+async def admin_usage(tenant_id: str, request: Request):
+    runtime = runtime_of(request)
+    key = bearer_key(request)
+    if not runtime.tenants.is_admin(key):
+        if runtime.tenants.authenticate(key) is not None:
+            raise Forbidden("This endpoint needs the admin key.")
+        raise Unauthenticated("Incorrect API key provided.")
+    tenant = runtime.tenants.by_id.get(tenant_id)
+    if tenant is None:
+        error = InvalidRequest(f"no tenant '{tenant_id}'", param="tenant_id")
+        error.status, error.code = 404, "not_found"
+        raise error
+    return await _usage(runtime, tenant)
+
+
+async def _usage(runtime: Runtime, tenant: Tenant) -> dict:
+    from adapters.store import StoreUnavailable
+
+    try:
+        windows = await runtime.ledger.store.usage(tenant.id, runtime.ledger.clock())
+    except StoreUnavailable as exc:
+        error = GatewayError("the usage ledger is unreachable; retry shortly")
+        error.status, error.code = 503, "store_unavailable"
+        raise error from exc
+    budgets = {"day": tenant.settings.daily, "month": tenant.settings.monthly}
+    return {
+        "tenant": tenant.id,
+        "windows": [
+            {**vars(w), "limits": budgets[w.period].model_dump()} for w in windows
+        ],
+    }
+
+
+@router.get("/health/live")
+async def live():
+    return {"status": "ok"}
+
+
+@router.get("/health/ready")
+async def ready(request: Request):
+    runtime = runtime_of(request)
+    store_ok = await runtime.ledger.store.ping()
+    body = {
+        "status": "draining" if runtime.draining else "ready",
+        "store": "ok" if store_ok else "unavailable",
+        "mode": "routing" if store_ok else "local_only",
+        "unsettled_usage": runtime.ledger.unsettled,
+        "queue_depth": {name: model.queue_depth for name, model in runtime.local_models.items()},
+    }
+    return JSONResponse(body, status_code=503 if runtime.draining else 200)

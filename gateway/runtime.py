@@ -1,0 +1,109 @@
+"""Everything a running gateway holds, built from Settings at start-up and closed at shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from llama_cpp import Llama
+
+from adapters.chat_template import ChatTemplate
+from adapters.local_model import LocalModel
+from adapters.model_files import resolve_model
+from adapters.redis_store import RedisStore
+from adapters.store import MemoryStore, Store
+from adapters.upstream import Upstream
+from adapters.upstream_server import UpstreamServer
+from gateway.budget import Ledger
+from gateway.settings import AliasSettings, Settings, UpstreamSettings
+from gateway.tenants import TenantDirectory
+
+log = logging.getLogger("gateway.runtime")
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A served model name: a local model, an optional upstream and a default routing."""
+
+    name: str
+    local: LocalModel
+    upstream: Upstream | None
+    settings: AliasSettings
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    tenants: TenantDirectory
+    ledger: Ledger
+    aliases: dict[str, Alias] = field(default_factory=dict)
+    local_models: dict[str, LocalModel] = field(default_factory=dict)
+    servers: list[UpstreamServer] = field(default_factory=list)
+    draining: bool = False
+    closed: bool = False
+
+    @classmethod
+    async def start(cls, settings: Settings, environ: Mapping[str, str] | None = None) -> "Runtime":
+        """Load models, start loopback upstream servers, connect the store.
+
+        Raises ModelFileError, LocalModelError, UpstreamServerError or SettingsError (one-line
+        messages); a Redis that does not answer is not an error: the gateway starts local-only.
+        """
+        environ = os.environ if environ is None else environ
+        tenants = TenantDirectory(settings.tenants, environ, settings.admin_key_env)
+        runtime = cls(settings, tenants, Ledger(_store(settings)))
+        try:
+            await runtime._load(settings)
+        except BaseException:
+            await runtime.close()
+            raise
+        return runtime
+
+    async def _load(self, settings: Settings) -> None:
+        for name, local in settings.models.local.items():
+            path = resolve_model(local.gguf)
+            self.local_models[name] = await LocalModel.load(
+                path, local.n_ctx, local.n_threads, local.n_batch, settings.server.queue_limit)
+        upstreams = {name: await self._upstream(name, up) for name, up in settings.upstreams.items()}
+        for name, alias in settings.aliases.items():
+            upstream = upstreams[alias.upstream] if alias.upstream else None
+            self.aliases[name] = Alias(name, self.local_models[alias.local], upstream, alias)
+        if not await self.ledger.store.ping():
+            log.warning("store at %s does not answer: serving local-only until it does", settings.store.url)
+
+    async def _upstream(self, name: str, settings: UpstreamSettings) -> Upstream:
+        if settings.launch is not None:
+            launch = settings.launch
+            server = UpstreamServer(resolve_model(launch.gguf), launch.port, launch.n_threads, launch.n_ctx, name)
+            self.servers.append(server)
+            await server.wait_ready()
+            settings = settings.model_copy(update={"api_base": server.api_base})
+        template, count = None, None
+        template_ref = settings.template_gguf or (settings.launch.gguf if settings.launch else None)
+        if template_ref is not None:
+            vocab = Llama(str(resolve_model(template_ref)), vocab_only=True, verbose=False)
+            template = ChatTemplate.from_llama(vocab)
+
+            def count(text: str, _vocab: Llama = vocab) -> int:
+                return len(_vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True))
+        return Upstream(name, settings, template, count)
+
+    async def close(self) -> None:
+        """Stop child servers, free models, close the store. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        for server in self.servers:
+            server.stop()
+        for model in self.local_models.values():
+            model.close()
+        await self.ledger.store.close()
+
+
+def _store(settings: Settings) -> Store:
+    s = settings.store
+    if s.backend == "redis":
+        return RedisStore(s.url, s.key_prefix, s.timeout_s, s.reservation_ttl_s, s.cache_ttl_s)
+    return MemoryStore(reservation_ttl_s=s.reservation_ttl_s, cache_ttl_s=s.cache_ttl_s)

@@ -1,0 +1,213 @@
+"""The one settings tree: `config.yaml` plus `GATEWAY_*` environment overrides.
+
+Nested keys are overridden with a double underscore, e.g. `GATEWAY_SERVER__PORT=9000` or
+`GATEWAY_STORE__URL=redis://host:6379/0`. `load_settings` is the only place that reads them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class SettingsError(Exception):
+    """The configuration is unusable; the message is one line that names the key."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(Strict):
+    host: str = Field("127.0.0.1", description="Interface the HTTP server binds to.")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port of the HTTP server.")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted request body.")
+    max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
+    queue_limit: int = Field(16, ge=0, description="Requests that may wait for the local model before 503.")
+    drain_seconds: float = Field(30.0, ge=0, description="On SIGTERM, how long streams in flight may finish.")
+
+
+class LocalModelSettings(Strict):
+    gguf: str = Field(..., description="Catalog name (see adapters/model_files.py) or a path to a GGUF file.")
+    n_ctx: int = Field(4096, ge=256, description="Context length of the llama.cpp context.")
+    n_threads: int = Field(2, ge=1, description="llama.cpp threads; keep at or below the free cores.")
+    n_batch: int = Field(256, ge=1, description="Prompt-processing batch size.")
+
+
+class LaunchSettings(Strict):
+    gguf: str = Field(..., description="Catalog name or GGUF path the child llama-cpp-python server loads.")
+    port: int = Field(0, ge=0, le=65535, description="Loopback port for the child server; 0 picks a free one.")
+    n_threads: int = Field(1, ge=1, description="Threads of the child server.")
+    n_ctx: int = Field(4096, ge=256, description="Context length of the child server.")
+
+
+UpstreamMode = Literal["completions", "chat_continue", "chat_prefix", "chat_fallback"]
+
+
+class UpstreamSettings(Strict):
+    model: str = Field(..., description="litellm model name, e.g. text-completion-openai/qwen or deepseek/deepseek-chat.")
+    api_base: str | None = Field(None, description="Base URL; filled in automatically for a launched server.")
+    api_key_env: str | None = Field(None, description="Environment variable that holds the upstream API key.")
+    mode: UpstreamMode = Field(
+        "completions",
+        description="How a partial answer is continued: completions (raw /v1/completions on the upstream's "
+        "own chat template), chat_continue (vLLM/this gateway: continue_final_message), chat_prefix "
+        "(DeepSeek/Mistral: assistant prefix), chat_fallback (chat-only providers: instruction + overlap strip).",
+    )
+    template_gguf: str | None = Field(
+        None, description="GGUF whose chat template renders prompts in completions mode (defaults to launch.gguf)."
+    )
+    launch: LaunchSettings | None = Field(None, description="Start a llama-cpp-python server as a child process.")
+    timeout_s: float = Field(20.0, gt=0, description="Time-out of one upstream call.")
+    retries: int = Field(1, ge=0, le=5, description="Retries of a failed upstream call.")
+    breaker_failures: int = Field(3, ge=1, description="Consecutive failures that open the circuit breaker.")
+    breaker_cooldown_s: float = Field(30.0, ge=0, description="How long an open breaker skips the upstream.")
+    input_usd_per_mtok: float | None = Field(None, ge=0, description="Price per million prompt tokens (else litellm's map).")
+    output_usd_per_mtok: float | None = Field(None, ge=0, description="Price per million completion tokens.")
+
+    @model_validator(mode="after")
+    def _has_endpoint(self) -> "UpstreamSettings":
+        if self.mode == "completions" and not (self.template_gguf or self.launch):
+            raise ValueError("completions mode needs template_gguf or launch (the upstream's chat template)")
+        return self
+
+
+class RoutingSettings(Strict):
+    policy: Literal["never", "always", "entropy", "top1", "margin", "target_fraction"] = Field(
+        "entropy", description="Routing policy (see README, 'Routing')."
+    )
+    threshold: float | None = Field(None, description="entropy: nats; top1: probability; margin: p1-p2.")
+    target_fraction: float | None = Field(None, gt=0, le=1, description="Share of answer tokens to route upstream.")
+    max_upstream_tokens: int | None = Field(None, ge=0, description="Cap on upstream answer tokens per request.")
+    max_upstream_share: float | None = Field(None, ge=0, le=1, description="Cap on the upstream share of the answer.")
+    span: int = Field(1, ge=1, le=64, description="Tokens the upstream writes per hand-off.")
+    max_upstream_calls: int = Field(64, ge=0, description="Cap on upstream calls per request.")
+
+    @model_validator(mode="after")
+    def _threshold_given(self) -> "RoutingSettings":
+        if self.policy in ("entropy", "top1", "margin") and self.threshold is None:
+            raise ValueError(f"policy '{self.policy}' needs a threshold")
+        if self.policy == "target_fraction" and self.target_fraction is None:
+            raise ValueError("policy 'target_fraction' needs target_fraction")
+        return self
+
+
+class AliasSettings(Strict):
+    local: str = Field(..., description="Key of models.local that decodes every token.")
+    upstream: str | None = Field(None, description="Key of upstreams that takes uncertain steps (none: local only).")
+    routing: RoutingSettings = Field(default_factory=RoutingSettings, description="Default routing of this alias.")
+
+
+class ModelsSettings(Strict):
+    local: dict[str, LocalModelSettings] = Field(..., description="Local llama.cpp models by key.")
+
+
+class StoreSettings(Strict):
+    backend: Literal["memory", "redis"] = Field("memory", description="memory: one process; redis: shared ledger.")
+    url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis:// or rediss:// or unix://).")
+    key_prefix: str = Field("rgw", description="Prefix of every Redis key.")
+    timeout_s: float = Field(0.25, gt=0, description="Time-out of every Redis call.")
+    reservation_ttl_s: float = Field(60.0, gt=0, description="A reservation left by a dead process expires after this.")
+    cache_ttl_s: float = Field(86_400.0, gt=0, description="Lifetime of cached upstream continuations.")
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, url: str) -> str:
+        from urllib.parse import urlparse
+
+        parsed = urlparse(url)
+        if parsed.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"not a Redis URL (scheme must be redis://, rediss:// or unix://): {url!r}")
+        try:
+            parsed.port
+        except ValueError as exc:
+            raise ValueError(f"bad port in Redis URL {url!r}") from exc
+        return url
+
+
+class BudgetSettings(Strict):
+    upstream_tokens: int | None = Field(None, ge=0, description="Billed upstream prompt+completion tokens per window.")
+    upstream_cost_usd: float | None = Field(None, ge=0, description="Upstream cost per window.")
+
+
+class RateLimitSettings(Strict):
+    requests_per_minute: int | None = Field(None, ge=1, description="Requests per minute.")
+    max_parallel: int | None = Field(None, ge=1, description="Requests in flight at once.")
+
+
+class TenantSettings(Strict):
+    id: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Tenant id (appears in usage and keys).")
+    api_key_sha256: str | None = Field(None, description="SHA-256 hex of the tenant's API key.")
+    api_key_env: str | None = Field(None, description="Environment variable holding the API key.")
+    aliases: list[str] | None = Field(None, description="Model aliases this tenant may use (none: all).")
+    daily: BudgetSettings = Field(default_factory=BudgetSettings, description="Budget per UTC day.")
+    monthly: BudgetSettings = Field(default_factory=BudgetSettings, description="Budget per UTC month.")
+    rate_limits: RateLimitSettings = Field(default_factory=RateLimitSettings, description="Rate limits.")
+    routing: dict[str, Any] | None = Field(None, description="Routing override applied to every request.")
+    allow_upstream: bool = Field(True, description="False: data never leaves the box.")
+    on_budget_exhausted: Literal["local", "refuse"] = Field(
+        "local", description="local: keep answering from the local model; refuse: 429 insufficient_quota."
+    )
+
+    @model_validator(mode="after")
+    def _has_key(self) -> "TenantSettings":
+        if not (self.api_key_sha256 or self.api_key_env):
+            raise ValueError(f"tenant '{self.id}' needs api_key_sha256 or api_key_env")
+        return self
+
+
+class Settings(BaseSettings):
+    """The whole configuration of one gateway process."""
+
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", env_nested_delimiter="__", extra="forbid")
+
+    server: ServerSettings = Field(default_factory=ServerSettings, description="HTTP server.")
+    models: ModelsSettings = Field(..., description="Local models.")
+    upstreams: dict[str, UpstreamSettings] = Field(default_factory=dict, description="Upstream models by key.")
+    aliases: dict[str, AliasSettings] = Field(..., description="Served model names (the request's `model`).")
+    store: StoreSettings = Field(default_factory=StoreSettings, description="Usage ledger, budgets and caches.")
+    tenants: list[TenantSettings] = Field(default_factory=list, description="Who may call the gateway.")
+    admin_key_env: str = Field("GATEWAY_ADMIN_KEY", description="Environment variable holding the admin key.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (env_settings, init_settings)  # the environment overrides config.yaml
+
+    @model_validator(mode="after")
+    def _references_exist(self) -> "Settings":
+        for name, alias in self.aliases.items():
+            if alias.local not in self.models.local:
+                raise ValueError(f"aliases.{name}.local: no local model '{alias.local}'")
+            if alias.upstream is not None and alias.upstream not in self.upstreams:
+                raise ValueError(f"aliases.{name}.upstream: no upstream '{alias.upstream}'")
+        return self
+
+
+def load_settings(path: str | Path) -> Settings:
+    """Read `path` (YAML) and the environment into Settings, or raise SettingsError (one line)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise SettingsError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SettingsError(f"config file {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
+    if not isinstance(raw, dict):
+        raise SettingsError(f"config file {path} must hold a mapping at the top level")
+    try:
+        return Settings(**raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(part) for part in first["loc"]) or "(top level)"
+        raise SettingsError(f"config {path}: {key}: {first['msg']}") from exc

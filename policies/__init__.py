@@ -1,0 +1,37 @@
+"""Routing policies: small pure objects that decide, per decoding step, LOCAL or UPSTREAM."""
+
+from __future__ import annotations
+
+from policies.base import Policy, Route, RoutingState, Signal
+from policies.caps import Capped
+from policies.target_fraction import TargetFraction
+from policies.thresholds import Always, EntropyAbove, MarginBelow, Never, Top1Below
+
+THRESHOLD_POLICIES = {"entropy": EntropyAbove, "top1": Top1Below, "margin": MarginBelow}
+POLICY_NAMES = ("never", "always", *THRESHOLD_POLICIES, "target_fraction")
+
+
+def build_policy(
+    name: str,
+    threshold: float | None = None,
+    target_fraction: float | None = None,
+    max_upstream_tokens: int | None = None,
+    max_upstream_share: float | None = None,
+    max_upstream_calls: int | None = None,
+) -> Policy:
+    """A fresh policy for one request (policies may keep per-request state), wrapped in its caps."""
+    inner: Policy
+    if name == "never":
+        inner = Never()
+    elif name == "always":
+        inner = Always()
+    elif name in THRESHOLD_POLICIES:
+        inner = THRESHOLD_POLICIES[name](threshold)
+    elif name == "target_fraction":
+        inner = TargetFraction(target_fraction)
+    else:
+        raise ValueError(f"unknown routing policy {name!r}")
+    return Capped(inner, max_upstream_tokens, max_upstream_share, max_upstream_calls)
+
+
+__all__ = ["Policy", "Route", "RoutingState", "Signal", "build_policy", "POLICY_NAMES"]
