@@ -164,11 +164,12 @@ class Upstream:
         if seed is not None:
             common["seed"] = seed
         if s.mode == "completions":
-            return await litellm.atext_completion(prompt=self.prompt_text(handoff), **common)
-        messages, extra = self._chat_messages(handoff)
-        return await litellm.acompletion(messages=messages, **extra, **common)
+            return await litellm.atext_completion(prompt=self.prompt_text(handoff), extra_body=s.extra_body, **common)
+        messages, extra_body = self._chat_messages(handoff)
+        return await litellm.acompletion(messages=messages, extra_body={**s.extra_body, **extra_body}, **common)
 
     def _chat_messages(self, handoff: Handoff) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The chat messages of a hand-off, and the extra body fields its mode needs."""
         messages = [dict(m) for m in handoff.messages]
         answer = handoff.answer
         if handoff.continue_final:  # the client's own partial assistant message comes first
@@ -177,7 +178,7 @@ class Upstream:
             return messages, {}
         mode = self.settings.mode
         if mode == "chat_continue":
-            extra = {"extra_body": {"continue_final_message": True, "add_generation_prompt": False}}
+            extra = {"continue_final_message": True, "add_generation_prompt": False}
             return messages + [{"role": "assistant", "content": answer}], extra
         if mode == "chat_prefix":
             return messages + [{"role": "assistant", "content": answer, "prefix": True}], {}

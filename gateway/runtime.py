@@ -80,15 +80,7 @@ class Runtime:
             self.servers.append(server)
             await server.wait_ready()
             settings = settings.model_copy(update={"api_base": server.api_base})
-        template, count = None, None
-        template_ref = settings.template_gguf or (settings.launch.gguf if settings.launch else None)
-        if template_ref is not None:
-            vocab = Llama(str(resolve_model(template_ref)), vocab_only=True, verbose=False)
-            template = ChatTemplate.from_llama(vocab)
-
-            def count(text: str, _vocab: Llama = vocab) -> int:
-                return len(_vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True))
-        return Upstream(name, settings, template, count)
+        return make_upstream(name, settings)
 
     async def close(self) -> None:
         """Stop child servers, free models, close the store. Safe to call twice."""
@@ -100,6 +92,19 @@ class Runtime:
         for model in self.local_models.values():
             model.close()
         await self.ledger.store.close()
+
+
+def make_upstream(name: str, settings: UpstreamSettings) -> Upstream:
+    """An Upstream whose prompts are rendered (and tokens counted) with its own GGUF's vocabulary."""
+    template_ref = settings.template_gguf or (settings.launch.gguf if settings.launch else None)
+    if template_ref is None:
+        return Upstream(name, settings, None, None)
+    vocab = Llama(str(resolve_model(template_ref)), vocab_only=True, verbose=False)
+
+    def count(text: str) -> int:
+        return len(vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True))
+
+    return Upstream(name, settings, ChatTemplate.from_llama(vocab), count)
 
 
 def _store(settings: Settings) -> Store:

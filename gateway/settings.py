@@ -63,6 +63,11 @@ class UpstreamSettings(Strict):
         None, description="GGUF whose chat template renders prompts in completions mode (defaults to launch.gguf)."
     )
     launch: LaunchSettings | None = Field(None, description="Start a llama-cpp-python server as a child process.")
+    extra_body: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Provider-specific fields sent with every call, e.g. {repeat_penalty: 1.0} for "
+        "llama-cpp-python servers, whose default penalty of 1.1 would make temperature 0 non-greedy.",
+    )
     timeout_s: float = Field(20.0, gt=0, description="Time-out of one upstream call.")
     retries: int = Field(1, ge=0, le=5, description="Retries of a failed upstream call.")
     breaker_failures: int = Field(3, ge=1, description="Consecutive failures that open the circuit breaker.")

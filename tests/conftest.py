@@ -1,0 +1,159 @@
+"""Shared fixtures: real model files, real upstream server processes, real Redis, live gateways."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from adapters.model_files import resolve_model
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOL = "smollm2-135m-instruct"
+QWEN = "qwen2.5-coder-0.5b-instruct"
+DEMO_KEY = "sk-demo"
+ADMIN_KEY = "sk-test-admin"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def smol_path() -> Path:
+    return resolve_model(SMOL)
+
+
+@pytest.fixture(scope="session")
+def qwen_path() -> Path:
+    return resolve_model(QWEN)
+
+
+def wait_http(url: str, process: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode} before {url} answered")
+        try:
+            if httpx.get(url, timeout=2.0).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout_s}s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextlib.contextmanager
+def upstream_server(gguf: Path, alias: str) -> Iterator[str]:
+    """A real llama-cpp-python OpenAI server process on loopback; yields its /v1 base URL."""
+    port = free_port()
+    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", alias,
+               "--host", "127.0.0.1", "--port", str(port), "--n_threads", "1", "--n_ctx", "2048"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/v1/models", process)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        stop(process)
+
+
+@pytest.fixture(scope="session")
+def smol_upstream(smol_path: Path) -> Iterator[str]:
+    with upstream_server(smol_path, "smol-upstream") as base:
+        yield base
+
+
+@pytest.fixture(scope="session")
+def qwen_upstream(qwen_path: Path) -> Iterator[str]:
+    with upstream_server(qwen_path, "qwen-upstream") as base:
+        yield base
+
+
+def gateway_config(upstream_base: str | None, template_gguf: str = SMOL, **overrides) -> dict:
+    """A config for a test gateway: SmolLM2 local, the given upstream (completions mode)."""
+    config: dict = {
+        "server": {"host": "127.0.0.1", "port": free_port(), "queue_limit": 8},
+        "models": {"local": {"smol": {"gguf": SMOL, "n_ctx": 2048, "n_threads": 1}}},
+        "upstreams": {},
+        "aliases": {"local": {"local": "smol", "routing": {"policy": "never"}}},
+        "store": {"backend": "memory"},
+        "tenants": [{"id": "demo", "api_key_env": "TEST_DEMO_KEY"}],
+        "admin_key_env": "TEST_ADMIN_KEY",
+    }
+    if upstream_base:
+        config["upstreams"]["up"] = {
+            "model": "text-completion-openai/up", "api_base": upstream_base, "mode": "completions",
+            "template_gguf": template_gguf, "timeout_s": 10, "retries": 0,
+            "extra_body": {"repeat_penalty": 1.0},
+            "input_usd_per_mtok": 0.5, "output_usd_per_mtok": 1.5,
+        }
+        config["aliases"]["routed"] = {"local": "smol", "upstream": "up",
+                                       "routing": {"policy": "entropy", "threshold": 1.0}}
+    for key, value in overrides.items():
+        config[key] = value
+    return config
+
+
+class LiveGateway:
+    """A gateway process (`python -m gateway serve`) with its own config file."""
+
+    def __init__(self, config: dict, tmp: Path, env: dict[str, str] | None = None) -> None:
+        self.config = config
+        self.port = config["server"]["port"]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        path = tmp / f"gateway-{uuid.uuid4().hex[:8]}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        environ = {**os.environ, "TEST_DEMO_KEY": DEMO_KEY, "TEST_ADMIN_KEY": ADMIN_KEY, **(env or {})}
+        self.log_path = path.with_suffix(".log")
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(path)],
+                                        cwd=ROOT, env=environ, stdout=self._log, stderr=subprocess.STDOUT)
+        wait_http(f"{self.base_url}/health/ready", self.process)
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def close(self) -> None:
+        stop(self.process)
+        self._log.close()
+
+
+@contextlib.contextmanager
+def live_gateway(config: dict, tmp: Path, env: dict[str, str] | None = None) -> Iterator[LiveGateway]:
+    gateway = LiveGateway(config, tmp, env)
+    try:
+        yield gateway
+    finally:
+        gateway.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The Redis on 127.0.0.1:6379 that CI starts; each test uses its own key prefix."""
+    import redis
+
+    url = "redis://127.0.0.1:6379/0"
+    redis.Redis.from_url(url, socket_timeout=2).ping()
+    return url
