@@ -1,0 +1,106 @@
+"""Small, obviously-correct fakes for unit tests of decoder logic (real ones live in integration tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from adapters.upstream import Continuation, Handoff, UpstreamUnavailable
+
+EOS = "<eos>"
+
+
+class FakeTemplate:
+    def render(self, messages: list[dict], continue_final: bool = False) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("" if continue_final else "assistant: ")
+
+
+class FakeLocalModel:
+    """Tokens are the strings in `vocab` (index 0 is EOS); tokenizing is greedy longest match.
+
+    The model "wants" to write `target`: its logits peak on the longest vocab entry that
+    continues the answer towards `target` (EOS once it is written or off track). At answer
+    positions in `uncertain_at` the distribution is flat (high entropy).
+    """
+
+    def __init__(self, vocab: list[str], target: str, uncertain_at: frozenset[int] = frozenset(), n_ctx: int = 512):
+        self.vocab = [EOS, *vocab]
+        self.target = target
+        self.uncertain_at = uncertain_at
+        self.n_ctx = n_ctx
+        self.template = FakeTemplate()
+        self.prompt_length = 0
+        self.forwards: list[list[int]] = []
+
+    def tokenize_prompt(self, text: str) -> list[int]:
+        self.prompt_length = len(text)
+        return [1] * len(text)  # one dummy token per character; only the count matters
+
+    def tokenize_text(self, data: bytes) -> list[int]:
+        text, tokens = data.decode(), []
+        while text:
+            best = max((i for i in range(1, len(self.vocab)) if text.startswith(self.vocab[i])),
+                       key=lambda i: len(self.vocab[i]))
+            tokens.append(best)
+            text = text[len(self.vocab[best]):]
+        return tokens
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.vocab[token].encode()
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return token == 0
+
+    @contextlib.asynccontextmanager
+    async def lease(self):
+        yield self
+
+    async def forward(self, tokens: list[int]) -> np.ndarray:
+        self.forwards.append(list(tokens))
+        answer = tokens[self.prompt_length:]
+        written = "".join(self.vocab[t] for t in answer)
+        logits = np.zeros(len(self.vocab), dtype=np.float32)
+        if len(answer) in self.uncertain_at:
+            return logits
+        rest = self.target[len(written):] if self.target.startswith(written) else ""
+        options = [i for i in range(1, len(self.vocab)) if rest and rest.startswith(self.vocab[i])]
+        logits[max(options, key=lambda i: len(self.vocab[i])) if options else 0] = 20.0
+        return logits
+
+
+@dataclass
+class FakeUpstream:
+    """Continues towards its own `target` text, `chars_per_token` characters per requested token."""
+
+    target: str
+    chars_per_token: int = 2
+    fail: bool = False
+    delay_s: float = 0.0
+    available: bool = True
+    calls: list[Handoff] = field(default_factory=list)
+
+    def cache_key(self, handoff: Handoff, max_tokens: int) -> str:
+        return f"{handoff.answer}|{max_tokens}"
+
+    def estimate_prompt_tokens(self, handoff: Handoff) -> int:
+        return 10 + len(handoff.answer)
+
+    def estimate_cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return (prompt_tokens + completion_tokens) * 1e-6
+
+    async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
+                            seed: int | None) -> Continuation:
+        self.calls.append(handoff)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail:
+            raise UpstreamUnavailable("scripted failure")
+        rest = self.target[len(handoff.answer):] if self.target.startswith(handoff.answer) else ""
+        text = rest[: max_tokens * self.chars_per_token]
+        prompt = self.estimate_prompt_tokens(handoff)
+        return Continuation(text, finished=len(text) == len(rest), prompt_tokens=prompt,
+                            completion_tokens=max(1, max_tokens), cost_usd=self.estimate_cost(prompt, max_tokens),
+                            latency_s=self.delay_s)

@@ -1,0 +1,131 @@
+"""The decoder's logic with scripted fakes: hand-off, re-tokenization, accounting, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from adapters.store import Limits, MemoryStore
+from gateway.budget import HandoffGate, Ledger
+from gateway.decoder import DecodeRequest, Decoding
+from policies import build_policy
+from tests.fakes import FakeLocalModel, FakeUpstream
+
+VOCAB = ["Par", "is", "Paris", " is", " nice", " big", *sorted(set("Paris is nice big."))]
+
+
+def make(local, upstream, policy="always", max_tokens=20, span=1, stop=(), limits=Limits(), store=None, **kw):
+    store = store or MemoryStore()
+    gate = HandoffGate(Ledger(store), "t", limits, allowed=True)
+    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=max_tokens,
+                            policy=build_policy(policy, **kw), span=span, stop=stop)
+    return Decoding(local, upstream, gate, request), store
+
+
+async def run(decoding) -> list:
+    return [piece async for piece in decoding.pieces()]
+
+
+def invariant(decoding) -> None:
+    counts = decoding.source_counts()
+    assert sum(counts.values()) == len(decoding.answer_tokens) == len(decoding.sources)
+    assert b"".join(decoding.local.token_bytes(t) for t in decoding.answer_tokens) == bytes(decoding.answer_bytes)
+
+
+async def test_boundary_that_remerges_becomes_one_upstream_token():
+    local = FakeLocalModel(VOCAB, "Par", uncertain_at=frozenset({1}))
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=2)
+    decoding, _ = make(local, upstream, policy="entropy", threshold=1.0, max_tokens=3)
+    pieces = await run(decoding)
+    assert [p.source for p in pieces][:2] == ["local", "upstream"]
+    # "Par" (local) + "is" (upstream) re-tokenizes as the single token "Paris"
+    assert local.vocab[decoding.answer_tokens[0]] == "Paris"
+    assert decoding.sources[0] == "upstream"
+    assert "".join(p.text for p in pieces) == bytes(decoding.answer_bytes).decode()
+    invariant(decoding)
+
+
+async def test_always_writes_everything_upstream_and_bills_each_call():
+    local = FakeLocalModel(VOCAB, "")
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=3)
+    decoding, store = make(local, upstream, span=2)
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is nice."
+    assert decoding.finish_reason == "stop"
+    assert decoding.source_counts()["local"] == 0
+    assert decoding.usage.upstream_calls == len(upstream.calls)
+    usage = (await store.usage("t", time.time()))[0]
+    assert usage.upstream_prompt_tokens == decoding.usage.upstream_prompt_tokens
+    invariant(decoding)
+
+
+async def test_failed_upstream_decodes_the_step_locally_and_flags_it():
+    local = FakeLocalModel(VOCAB, "Paris is nice.")
+    upstream = FakeUpstream("Paris is big.", fail=True)
+    decoding, store = make(local, upstream)
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is nice."
+    assert decoding.usage.degraded == ["upstream_unavailable"]
+    assert decoding.usage.upstream_calls == 0
+    assert (await store.headroom("t", Limits(day_tokens=100), time.time())).tokens == 100
+    invariant(decoding)
+
+
+async def test_budget_refusal_finishes_locally_without_overspending():
+    local = FakeLocalModel(VOCAB, "Paris is nice.")
+    upstream = FakeUpstream("Paris is big.", chars_per_token=2)
+    decoding, store = make(local, upstream, limits=Limits(day_tokens=25))
+    await run(decoding)
+    assert "budget_exhausted" in decoding.usage.degraded
+    spent = (await store.usage("t", time.time()))[0]
+    assert 0 < spent.upstream_prompt_tokens + spent.upstream_completion_tokens <= 25
+    assert decoding.source_counts()["local"] > 0
+    invariant(decoding)
+
+
+async def test_cancelled_request_releases_its_reservation():
+
+    local = FakeLocalModel(VOCAB, "")
+    upstream = FakeUpstream("Paris", delay_s=5.0)
+    store = MemoryStore()
+    decoding, _ = make(local, upstream, limits=Limits(day_tokens=1000), store=store)
+    task = asyncio.create_task(run(decoding))
+    await asyncio.sleep(0.1)
+    assert (await store.headroom("t", Limits(day_tokens=1000), time.time())).tokens < 1000  # reserved
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (await store.headroom("t", Limits(day_tokens=1000), time.time())).tokens == 1000
+
+
+async def test_stop_string_across_a_hand_off_is_cut_and_never_shown():
+    local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({2}))
+    upstream = FakeUpstream("Paris is big.", chars_per_token=2)
+    decoding, _ = make(local, upstream, policy="entropy", threshold=1.0, stop=("s b",))
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris i"  # "...is" came from the local model, " b" from upstream
+    assert decoding.finish_reason == "stop"
+
+
+async def test_max_tokens_holds_even_with_a_long_span():
+    local = FakeLocalModel(VOCAB, "")
+    upstream = FakeUpstream("Paris is nice. Paris is big.", chars_per_token=6)
+    decoding, _ = make(local, upstream, span=8, max_tokens=3)
+    await run(decoding)
+    assert len(decoding.answer_tokens) == 3 and decoding.finish_reason == "length"
+    invariant(decoding)
+
+
+async def test_cached_continuation_is_reused_without_upstream_calls():
+    local = FakeLocalModel(VOCAB, "")
+    store = MemoryStore()
+    first, _ = make(local, FakeUpstream("Paris is nice."), store=store)
+    await run(first)
+    upstream = FakeUpstream("Paris is nice.")
+    second, _ = make(local, upstream, store=store)
+    text = "".join(p.text for p in await run(second))
+    assert text == "Paris is nice." and upstream.calls == []
+    assert second.source_counts()["cache"] == len(second.answer_tokens) > 0
+    invariant(second)

@@ -1,0 +1,75 @@
+"""Routing policies: pure objects, tested on synthetic signal streams."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from policies import Route, RoutingState, Signal, build_policy
+
+
+def signal(entropy: float = 1.0, top1: float = 0.5, margin: float = 0.2, position: int = 0) -> Signal:
+    return Signal(entropy=entropy, top1=top1, margin=margin, position=position)
+
+
+@pytest.mark.parametrize(
+    ("name", "threshold", "routed", "kept"),
+    [
+        ("entropy", 1.0, signal(entropy=1.5), signal(entropy=0.5)),
+        ("top1", 0.6, signal(top1=0.4), signal(top1=0.9)),
+        ("margin", 0.3, signal(margin=0.1), signal(margin=0.8)),
+    ],
+)
+def test_threshold_policies_route_on_their_signal(name, threshold, routed, kept):
+    policy = build_policy(name, threshold=threshold)
+    assert policy.decide(routed, RoutingState()) is Route.UPSTREAM
+    assert policy.decide(kept, RoutingState()) is Route.LOCAL
+
+
+def test_never_and_always_ignore_the_signal():
+    for value in (0.0, 5.0):
+        assert build_policy("never").decide(signal(entropy=value), RoutingState()) is Route.LOCAL
+        assert build_policy("always").decide(signal(entropy=value), RoutingState()) is Route.UPSTREAM
+
+
+def test_caps_veto_upstream():
+    state = RoutingState(answer_tokens=10, upstream_tokens=3, upstream_calls=3)
+    assert build_policy("always", max_upstream_tokens=3).decide(signal(), state) is Route.LOCAL
+    assert build_policy("always", max_upstream_tokens=4).decide(signal(), state) is Route.UPSTREAM
+    assert build_policy("always", max_upstream_share=0.3).decide(signal(), state) is Route.LOCAL  # 4/11 > 0.3
+    assert build_policy("always", max_upstream_share=0.4).decide(signal(), state) is Route.UPSTREAM
+    assert build_policy("always", max_upstream_calls=3).decide(signal(), state) is Route.LOCAL
+
+
+def test_budget_left_is_a_hard_cap():
+    policy = build_policy("always")
+    assert policy.decide(signal(), RoutingState(budget_tokens_left=99, handoff_cost_tokens=100)) is Route.LOCAL
+    assert policy.decide(signal(), RoutingState(budget_tokens_left=100, handoff_cost_tokens=100)) is Route.UPSTREAM
+    assert policy.decide(signal(), RoutingState(budget_tokens_left=None, handoff_cost_tokens=10**9)) is Route.UPSTREAM
+
+
+def run_target(target: float, entropies: np.ndarray) -> tuple[float, list[float], list[float]]:
+    """Feed a stream to target_fraction as the decoder would; return share, routed and kept."""
+    policy = build_policy("target_fraction", target_fraction=target)
+    upstream, routed, kept = 0, [], []
+    for position, value in enumerate(entropies):
+        state = RoutingState(answer_tokens=position, upstream_tokens=upstream)
+        if policy.decide(signal(entropy=float(value), position=position), state) is Route.UPSTREAM:
+            upstream += 1
+            routed.append(value)
+        else:
+            kept.append(value)
+    return upstream / len(entropies), routed, kept
+
+
+@pytest.mark.parametrize("target", [0.05, 0.2, 0.5])
+def test_target_fraction_tracks_target_through_a_level_shift(target):
+    rng = np.random.default_rng(7)
+    calm = rng.gamma(shape=2.0, scale=0.3, size=600)  # mean entropy 0.6 nats
+    stormy = rng.gamma(shape=2.0, scale=1.2, size=600) + 1.0  # mean 3.4 nats
+    share, routed, kept = run_target(target, np.concatenate([calm, stormy]))
+    assert abs(share - target) <= 0.03, share
+    assert np.mean(routed) > np.mean(kept)
+    # within each regime too, what it routes is more uncertain than what it keeps
+    half_share, half_routed, half_kept = run_target(target, calm)
+    assert abs(half_share - target) <= 0.03 and np.mean(half_routed) > np.mean(half_kept)
