@@ -1,0 +1,217 @@
+"""The HTTP surface, driven like users drive it: the openai SDK, curl, litellm, raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ADMIN_KEY, DEMO_KEY, gateway_config, live_gateway
+
+pytestmark = pytest.mark.integration
+
+KEYS = {"TEST_RPM_KEY": "sk-rpm", "TEST_BROKE_KEY": "sk-broke", "TEST_PRIVATE_KEY": "sk-private"}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def gateway(smol_upstream, tmp_path_factory):
+    config = gateway_config(smol_upstream)
+    config["tenants"] += [
+        {"id": "rpm", "api_key_env": "TEST_RPM_KEY", "rate_limits": {"requests_per_minute": 1}},
+        {"id": "broke", "api_key_env": "TEST_BROKE_KEY", "daily": {"upstream_tokens": 0}, "on_budget_exhausted": "refuse"},
+        {"id": "private", "api_key_env": "TEST_PRIVATE_KEY", "allow_upstream": False},
+    ]
+    with live_gateway(config, tmp_path_factory.mktemp("api"), env=KEYS) as running:
+        yield running
+
+
+@pytest.fixture
+def client(gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=DEMO_KEY, max_retries=0)
+
+
+def ask(client, **kw):
+    params = dict(model="routed", messages=QUESTION, max_tokens=12, temperature=0)
+    params.update(kw)
+    return client.chat.completions.create(**params)
+
+
+def routing_of(usage) -> dict:
+    return usage.model_extra["routing"]
+
+
+def test_non_streaming_answer_with_routing_usage(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model="routed", messages=QUESTION, max_tokens=12, temperature=0)
+    completion = raw.parse()
+    assert completion.id.startswith("chatcmpl-")
+    assert completion.choices[0].message.content
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    routing = routing_of(completion.usage)
+    assert routing["local_tokens"] + routing["upstream_tokens"] + routing["cache_tokens"] == completion.usage.completion_tokens
+    assert routing["policy"] == "entropy"
+    assert "policy=entropy" in raw.headers["x-routing-summary"]
+    assert raw.headers["x-request-id"]
+
+
+def test_streaming_matches_non_streaming_and_frames_like_openai(client):
+    full = ask(client, extra_body={"routing": {"policy": "always"}})
+    chunks = list(ask(client, stream=True, stream_options={"include_usage": True},
+                      extra_body={"routing": {"policy": "always"}}))
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(c.choices[0].delta.content for c in content) == full.choices[0].message.content
+    assert content[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in content[:-1])
+    assert {c.model_extra["routing"]["source"] for c in content} <= {"upstream", "cache"}
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == full.usage.completion_tokens
+    routing = routing_of(usage_chunk.usage)
+    assert routing["local_tokens"] == 0 and routing["upstream_tokens"] + routing["cache_tokens"] > 0
+
+
+def test_routing_override_never_and_always(client):
+    never = ask(client, extra_body={"routing": {"policy": "never"}})
+    assert routing_of(never.usage)["upstream_tokens"] == 0 and routing_of(never.usage)["upstream_calls"] == 0
+    always = ask(client, max_tokens=6, seed=1, extra_body={"routing": {"policy": "always", "max_upstream_tokens": 3}})
+    routing = routing_of(always.usage)
+    assert 0 < routing["upstream_tokens"] + routing["cache_tokens"] <= 3 + 1  # a re-merged boundary may add one
+
+
+def test_logprobs_from_the_local_model(client):
+    completion = ask(client, logprobs=True, top_logprobs=3, extra_body={"routing": {"policy": "never"}})
+    entries = completion.choices[0].logprobs.content
+    assert len(entries) == completion.usage.completion_tokens
+    for entry in entries:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # greedy picks the top token
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"routing": {"policy": "entropy", "threshold": "high"}}, "routing.threshold"),
+        ({"routing": {"policy": "top1"}}, "routing.threshold"),
+        ({"routing": {"colour": "red"}}, "routing.colour"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"n": 2}, "n"),
+        ({"max_tokens": 100000}, "max_tokens"),
+        ({"temperature": 3}, "temperature"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
+        ({"frobnicate": True}, "frobnicate"),
+    ],
+)
+def test_bad_fields_are_400_naming_the_param(client, body, param):
+    params = dict(model="routed", messages=QUESTION, max_tokens=4)
+    params.update({k: v for k, v in body.items() if k in ("messages", "max_tokens", "n", "temperature", "tools")})
+    extra = {k: v for k, v in body.items() if k not in params}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**params, extra_body=extra or None)
+    error = caught.value.body
+    assert caught.value.status_code == 400
+    assert error["type"] == "invalid_request_error" and error["param"].startswith(param), error
+
+
+def test_context_length_exceeded(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(client, messages=[{"role": "user", "content": "word " * 5000}])
+    assert caught.value.code == "context_length_exceeded"
+
+
+def test_auth_and_model_errors(gateway):
+    base = f"{gateway.base_url}/v1"
+    with pytest.raises(openai.AuthenticationError):
+        ask(openai.OpenAI(base_url=base, api_key="sk-wrong", max_retries=0))
+    with pytest.raises(openai.NotFoundError) as caught:
+        ask(openai.OpenAI(base_url=base, api_key=DEMO_KEY, max_retries=0), model="gpt-17")
+    assert caught.value.code == "model_not_found"
+    response = httpx.post(f"{base}/chat/completions", json={"model": "routed", "messages": QUESTION})
+    assert response.status_code == 401 and set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_invalid_json_and_unknown_path_keep_the_openai_shape(gateway):
+    headers = {"Authorization": f"Bearer {DEMO_KEY}", "Content-Type": "application/json"}
+    response = httpx.post(f"{gateway.base_url}/v1/chat/completions", content=b"{not json", headers=headers)
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    response = httpx.get(f"{gateway.base_url}/v1/nothing-here", headers=headers)
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_rate_limit_is_429_with_retry_after(gateway):
+    client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="sk-rpm", max_retries=0)
+    ask(client, max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as caught:
+        ask(client, max_tokens=1)
+    assert caught.value.code == "rate_limit_exceeded"
+    assert int(caught.value.response.headers["retry-after"]) >= 1
+
+
+def test_exhausted_budget_refuses_with_insufficient_quota(gateway):
+    client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="sk-broke", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as caught:
+        ask(client)
+    assert caught.value.code == "insufficient_quota"
+    assert caught.value.response.headers["x-should-retry"] == "false"
+
+
+def test_upstream_forbidden_tenant_never_reaches_upstream(gateway):
+    client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="sk-private", max_retries=0)
+    completion = ask(client, extra_body={"routing": {"policy": "always"}})
+    routing = routing_of(completion.usage)
+    assert routing["upstream_calls"] == 0 and routing["upstream_tokens"] == 0
+    assert routing["local_tokens"] == completion.usage.completion_tokens > 0
+    assert "upstream_forbidden" in routing["degraded"]
+
+
+def test_models_lists_the_aliases(client):
+    assert {m.id for m in client.models.list()} == {"routed", "local"}
+
+
+def test_usage_endpoints_and_admin_permissions(gateway, client):
+    ask(client, extra_body={"routing": {"policy": "always"}}, max_tokens=3)
+    mine = httpx.get(f"{gateway.base_url}/v1/usage", headers={"Authorization": f"Bearer {DEMO_KEY}"}).json()
+    assert mine["tenant"] == "demo" and [w["period"] for w in mine["windows"]] == ["day", "month"]
+    assert mine["windows"][0]["upstream_prompt_tokens"] > 0 and mine["windows"][0]["requests"] > 0
+    admin = httpx.get(f"{gateway.base_url}/admin/tenants/demo/usage", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert admin.status_code == 200 and admin.json()["windows"][1]["requests"] >= mine["windows"][1]["requests"]
+    forbidden = httpx.get(f"{gateway.base_url}/admin/tenants/demo/usage", headers={"Authorization": f"Bearer {DEMO_KEY}"})
+    assert forbidden.status_code == 403
+    assert httpx.get(f"{gateway.base_url}/v1/usage").status_code == 401
+
+
+def test_curl_sees_openai_sse_framing(gateway):
+    body = json.dumps({"model": "routed", "messages": QUESTION, "max_tokens": 5, "temperature": 0, "stream": True})
+    result = subprocess.run(
+        ["curl", "-sN", f"{gateway.base_url}/v1/chat/completions", "-H", f"Authorization: Bearer {DEMO_KEY}",
+         "-H", "Content-Type: application/json", "-d", body], capture_output=True, text=True, timeout=60)
+    events = [block for block in result.stdout.split("\n\n") if block.strip()]
+    assert all(block.startswith("data: ") for block in events if not block.startswith(":"))
+    assert events[-1] == "data: [DONE]"
+    first = json.loads(events[0].removeprefix("data: "))
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_litellm_as_a_client(gateway):
+    import litellm
+
+    response = litellm.completion(model="openai/routed", api_base=f"{gateway.base_url}/v1", api_key=DEMO_KEY,
+                                  messages=QUESTION, max_tokens=5, temperature=0)
+    assert response.choices[0].message.content
+    assert response.usage.completion_tokens > 0
+
+
+def test_continue_final_message_continues_the_assistant_turn(client):
+    full = ask(client, model="local", max_tokens=16).choices[0].message.content
+    words = full.split(" ")
+    prefix = " ".join(words[:3])
+    continued = client.chat.completions.create(
+        model="local", max_tokens=16, temperature=0,
+        messages=[*QUESTION, {"role": "assistant", "content": prefix}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    ).choices[0].message.content
+    assert (prefix + continued)[: len(full) - 8] == full[: len(full) - 8]
