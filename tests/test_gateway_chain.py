@@ -1,0 +1,34 @@
+"""One gateway (local-only) serves as the chat-continuation upstream of another."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.conftest import DEMO_KEY, gateway_config, live_gateway
+
+pytestmark = pytest.mark.integration
+
+QUESTION = [{"role": "user", "content": "Write a haiku about the sea."}]
+
+
+def test_gateway_continues_another_gateways_partial_answers(tmp_path):
+    with live_gateway(gateway_config(None), tmp_path) as inner:
+        outer_config = gateway_config(None)
+        outer_config["upstreams"]["inner"] = {
+            "model": "openai/local", "api_base": f"{inner.base_url}/v1", "api_key_env": "TEST_DEMO_KEY",
+            "mode": "chat_continue", "timeout_s": 20, "retries": 0,
+        }
+        outer_config["aliases"]["chained"] = {"local": "smol", "upstream": "inner",
+                                              "routing": {"policy": "always", "span": 4}}
+        with live_gateway(outer_config, tmp_path) as outer:
+            direct = openai.OpenAI(base_url=f"{inner.base_url}/v1", api_key=DEMO_KEY, max_retries=0)
+            chained = openai.OpenAI(base_url=f"{outer.base_url}/v1", api_key=DEMO_KEY, max_retries=0)
+            expected = direct.chat.completions.create(model="local", messages=QUESTION, max_tokens=20, temperature=0)
+            answer = chained.chat.completions.create(model="chained", messages=QUESTION, max_tokens=20, temperature=0)
+    routing = answer.usage.model_extra["routing"]
+    assert routing["degraded"] == [] and routing["local_tokens"] == 0
+    assert routing["upstream_calls"] >= 5  # 20 tokens, 4 per hand-off
+    assert routing["upstream_prompt_tokens"] > routing["upstream_completion_tokens"] > 0
+    # the inner gateway continued each partial answer instead of starting a new turn
+    assert answer.choices[0].message.content == expected.choices[0].message.content
