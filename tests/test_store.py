@@ -1,0 +1,106 @@
+"""Store semantics, the same for the in-process store and a real Redis server."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import datetime, timezone
+
+import pytest
+
+from adapters.redis_store import RedisStore
+from adapters.store import Billed, Limits, MemoryStore, StoreUnavailable
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc).timestamp()
+NEXT_DAY = datetime(2026, 12, 1, 0, 0, 1, tzinfo=timezone.utc).timestamp()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request, redis_url):
+    if request.param == "memory":
+        yield MemoryStore(reservation_ttl_s=30)
+        return
+    real = RedisStore(redis_url, f"test-{uuid.uuid4().hex[:8]}", timeout_s=1.0, reservation_ttl_s=30, cache_ttl_s=60)
+    yield real
+    await real.close()
+
+
+async def test_reserve_settle_release(store):
+    limits = Limits(day_tokens=100)
+    first = await store.reserve("t", 60, 0.0, limits, NOW)
+    assert first is not None
+    assert await store.reserve("t", 50, 0.0, limits, NOW) is None  # 60 held + 50 > 100
+    await store.settle(first, Billed(30, 5, 0.01), NOW)
+    assert (await store.headroom("t", limits, NOW)).tokens == 65
+    second = await store.reserve("t", 50, 0.0, limits, NOW)
+    assert second is not None
+    await store.release(second)
+    day, month = await store.usage("t", NOW)
+    assert (day.period, day.start, month.start) == ("day", "2026-11-30", "2026-11-01")
+    assert (day.upstream_prompt_tokens, day.upstream_completion_tokens) == (30, 5)
+    assert day.upstream_cost_usd == pytest.approx(0.01)
+    assert (await store.headroom("t", limits, NOW)).tokens == 65
+
+
+async def test_cost_and_monthly_limits(store):
+    limits = Limits(day_cost_usd=1.0, month_tokens=500)
+    spent = await store.reserve("t", 10, 0.9, limits, NOW)
+    await store.settle(spent, Billed(8, 2, 0.9), NOW)
+    assert await store.reserve("t", 10, 0.2, limits, NOW) is None  # cost
+    assert await store.reserve("t", 491, 0.0, limits, NOW) is None  # month tokens
+    assert await store.reserve("t", 490, 0.0, limits, NOW) is not None
+
+
+async def test_reservation_of_a_dead_process_expires(store):
+    limits = Limits(day_tokens=100)
+    assert await store.reserve("t", 100, 0.0, limits, NOW) is not None  # never settled
+    assert await store.reserve("t", 1, 0.0, limits, NOW + 10) is None
+    assert await store.reserve("t", 100, 0.0, limits, NOW + 31) is not None
+
+
+async def test_window_rollover_resets_the_counters(store):
+    limits = Limits(day_tokens=100, month_tokens=1000)
+    reservation = await store.reserve("t", 100, 0.0, limits, NOW)
+    await store.settle(reservation, Billed(90, 10, 0.0), NOW)
+    await store.count_request("t", NOW)
+    assert await store.reserve("t", 1, 0.0, limits, NOW) is None
+    assert await store.reserve("t", 100, 0.0, limits, NEXT_DAY) is not None  # new day, new month
+    day, month = await store.usage("t", NEXT_DAY)
+    assert (day.start, day.requests, day.upstream_prompt_tokens) == ("2026-12-01", 0, 0)
+    assert month.start == "2026-12-01" and month.upstream_prompt_tokens == 0
+
+
+async def test_concurrent_reservations_never_pass_the_limit(store):
+    limits = Limits(day_tokens=1000)
+    results = await asyncio.gather(*(store.reserve("t", 30, 0.0, limits, NOW) for _ in range(100)))
+    assert sum(r is not None for r in results) == 33
+
+
+async def test_rate_limits_and_parallel_slots(store):
+    assert await store.admit("t", "a", 2, None, NOW) is None
+    assert await store.admit("t", "b", 2, None, NOW) is None
+    wait = await store.admit("t", "c", 2, None, NOW)
+    assert wait is not None and 0 < wait <= 60
+    assert await store.admit("t", "d", None, 1, NOW) is None
+    assert await store.admit("t", "e", None, 1, NOW) == 1.0
+    await store.leave("t", "d")
+    assert await store.admit("t", "e", None, 1, NOW) is None
+
+
+async def test_cache_round_trip(store):
+    assert await store.cache_get("k") is None
+    await store.cache_put("k", "0 Paris")
+    assert await store.cache_get("k") == "0 Paris"
+
+
+async def test_unreachable_redis_raises_store_unavailable_quickly():
+    dead = RedisStore("redis://127.0.0.1:1/0", "x", timeout_s=0.2, reservation_ttl_s=30, cache_ttl_s=60)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(StoreUnavailable):
+        await dead.reserve("t", 1, 0.0, Limits(), NOW)
+    with pytest.raises(StoreUnavailable):  # skipped without a network round trip while it is down
+        await dead.usage("t", NOW)
+    assert loop.time() - started < 1.0
+    assert await dead.ping() is False
+    await dead.close()
