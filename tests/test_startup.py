@@ -1,0 +1,79 @@
+"""Start-up: bad inputs stop the gateway with one clear line; an unreachable Redis does not."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import ROOT, gateway_config, live_gateway
+
+pytestmark = pytest.mark.integration
+
+
+def start(config_text: str, tmp_path, env: dict | None = None) -> subprocess.CompletedProcess:
+    path = tmp_path / "config.yaml"
+    path.write_text(config_text)
+    environ = {**os.environ, "TEST_DEMO_KEY": "sk-x", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(path)], cwd=ROOT,
+                          env=environ, capture_output=True, text=True, timeout=120)
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    return lines[0]
+
+
+def test_malformed_yaml(tmp_path):
+    assert "not valid YAML at line 2" in one_line_error(start("server:\n  port: 8000: 1\n", tmp_path))
+
+
+def test_unknown_key_is_named(tmp_path):
+    config = gateway_config(None)
+    config["server"]["prot"] = 1
+    assert "server.prot" in one_line_error(start(yaml.safe_dump(config), tmp_path))
+
+
+def test_wrong_model_path(tmp_path):
+    config = gateway_config(None)
+    config["models"]["local"]["smol"]["gguf"] = str(tmp_path / "missing.gguf")
+    assert "model file not found" in one_line_error(start(yaml.safe_dump(config), tmp_path))
+
+
+def test_corrupt_model_file(tmp_path):
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + os.urandom(4096))
+    config = gateway_config(None)
+    config["models"]["local"]["smol"]["gguf"] = str(corrupt)
+    assert "cannot load model" in one_line_error(start(yaml.safe_dump(config), tmp_path))
+
+
+def test_corrupt_catalog_model_is_caught_by_its_checksum(tmp_path):
+    from adapters.model_files import CATALOG, ModelFileError, resolve_model
+
+    entry = CATALOG["smollm2-135m-instruct"]
+    (tmp_path / entry.filename).write_bytes(b"GGUF" + b"\0" * 100)
+    with pytest.raises(ModelFileError, match="corrupt"):
+        resolve_model("smollm2-135m-instruct", cache_dir=tmp_path)
+
+
+def test_malformed_redis_url(tmp_path):
+    config = gateway_config(None, store={"backend": "redis", "url": "http://localhost:6379"})
+    assert "store.url" in one_line_error(start(yaml.safe_dump(config), tmp_path))
+
+
+def test_unreachable_redis_starts_local_only(tmp_path):
+    config = gateway_config(None, store={"backend": "redis", "url": "redis://127.0.0.1:1/0", "timeout_s": 0.2})
+    with live_gateway(config, tmp_path) as gateway:
+        ready = httpx.get(f"{gateway.base_url}/health/ready").json()
+        assert ready["status"] == "ready" and ready["mode"] == "local_only" and ready["store"] == "unavailable"
+        response = httpx.post(f"{gateway.base_url}/v1/chat/completions", timeout=60,
+                              headers={"Authorization": "Bearer sk-demo"},
+                              json={"model": "local", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert response.status_code == 200
