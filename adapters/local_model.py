@@ -20,6 +20,9 @@ import numpy as np
 from llama_cpp import Llama
 
 from adapters.chat_template import ChatTemplate
+from adapters.kv_snapshots import KVSnapshots, common_prefix
+
+SNAPSHOT_MIN_TOKENS = 32  # shorter prefills are cheaper to redo than to snapshot
 
 
 class LocalModelError(Exception):
@@ -42,7 +45,7 @@ def system_info() -> str:
 class LocalModel:
     """A GGUF model served from one llama.cpp context on a dedicated worker thread."""
 
-    def __init__(self, llm: Llama, executor: ThreadPoolExecutor, queue_limit: int) -> None:
+    def __init__(self, llm: Llama, executor: ThreadPoolExecutor, queue_limit: int, snapshot_bytes: int = 0) -> None:
         self._llm = llm
         self._executor = executor
         self._lock = asyncio.Lock()
@@ -50,6 +53,7 @@ class LocalModel:
         self._queue_limit = queue_limit
         self._held: list[int] = []  # tokens whose KV entries the context holds
         self._piece_cache: dict[int, bytes] = {}
+        self.snapshots = KVSnapshots(snapshot_bytes)
         self.template = ChatTemplate.from_llama(llm)
         self.n_ctx = llm.n_ctx()
         self.n_vocab = llm.n_vocab()
@@ -57,7 +61,8 @@ class LocalModel:
         self._eog = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)}
 
     @classmethod
-    async def load(cls, path: Path, n_ctx: int, n_threads: int, n_batch: int, queue_limit: int) -> "LocalModel":
+    async def load(cls, path: Path, n_ctx: int, n_threads: int, n_batch: int, queue_limit: int,
+                   snapshot_bytes: int = 0) -> "LocalModel":
         """Load `path` on a new worker thread. Raises LocalModelError with one line."""
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")
 
@@ -72,7 +77,7 @@ class LocalModel:
         except (ValueError, RuntimeError) as exc:
             executor.shutdown(wait=False)
             raise LocalModelError(f"cannot load model {path}: {exc}") from exc
-        return cls(llm, executor, queue_limit)
+        return cls(llm, executor, queue_limit, snapshot_bytes)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -125,12 +130,18 @@ class LocalModel:
     def _forward(self, tokens: list[int]) -> np.ndarray:
         if len(tokens) > self.n_ctx:
             raise ContextOverflow(f"{len(tokens)} tokens exceed the context of {self.n_ctx}")
-        common = _common_prefix(self._held, tokens)
+        common = common_prefix(self._held, tokens)
+        if len(tokens) - common >= SNAPSHOT_MIN_TOKENS:
+            restored = self.snapshots.restore_best(self._llm.ctx, tokens, common + SNAPSHOT_MIN_TOKENS)
+            if restored is not None:
+                self._held, common = list(restored), common_prefix(restored, tokens)
         common = min(common, len(tokens) - 1)  # evaluate at least one token to get its logits
         self._held = []  # if eval fails midway, the KV state is unknown
         self._llm.n_tokens = common
         self._llm.eval(tokens[common:])
         self._held = list(tokens)
+        if len(tokens) - common >= SNAPSHOT_MIN_TOKENS:  # a prompt prefill: worth keeping
+            self.snapshots.save(self._llm.ctx, tokens)
         view = np.ctypeslib.as_array(
             llama_cpp.llama_get_logits_ith(self._llm.ctx, -1), shape=(self.n_vocab,)
         )
@@ -147,12 +158,3 @@ class Lease:
         """Make the context hold `tokens`; return the logits for the next token (float32)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._model._executor, self._model._forward, tokens)
-
-
-def _common_prefix(held: list[int], tokens: list[int]) -> int:
-    if tokens[: len(held)] == held:  # the usual case, checked at C speed
-        return len(held)
-    common, limit = 0, min(len(held), len(tokens))
-    while common < limit and held[common] == tokens[common]:
-        common += 1
-    return common

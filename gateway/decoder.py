@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from adapters.local_model import Lease, LocalModel
+from adapters.kv_snapshots import common_prefix
+from adapters.local_model import LocalModel
 from adapters.store import Billed
 from adapters.upstream import Continuation, Handoff, Upstream, UpstreamUnavailable
 from gateway.budget import HandoffGate
@@ -227,11 +228,7 @@ class Decoding:
         if len(tokens) > self.limit:
             tokens = tokens[: self.limit]
             self.answer_bytes = bytearray(b"".join(self.local.token_bytes(t) for t in tokens))
-        common = 0
-        for old, new in zip(self.answer_tokens, tokens):
-            if old != new:
-                break
-            common += 1
+        common = common_prefix(self.answer_tokens, tokens)
         self.answer_tokens = tokens
         self.sources = self.sources[:common] + [source] * (len(tokens) - common)
         return common, bytes(self.answer_bytes[before:])

@@ -37,6 +37,8 @@ class LocalModelSettings(Strict):
     n_ctx: int = Field(4096, ge=256, description="Context length of the llama.cpp context.")
     n_threads: int = Field(2, ge=1, description="llama.cpp threads; keep at or below the free cores.")
     n_batch: int = Field(256, ge=1, description="Prompt-processing batch size.")
+    prefix_cache_mb: int = Field(
+        128, ge=0, description="Memory for KV snapshots of prompt prefixes (system prompts) reused across requests.")
 
 
 class LaunchSettings(Strict):
