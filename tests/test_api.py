@@ -215,3 +215,12 @@ def test_continue_final_message_continues_the_assistant_turn(client):
         extra_body={"continue_final_message": True, "add_generation_prompt": False},
     ).choices[0].message.content
     assert (prefix + continued)[: len(full) - 8] == full[: len(full) - 8]
+
+
+def test_sampling_is_reproducible_with_a_seed(client):
+    def sample(seed):
+        return ask(client, model="local", max_tokens=16, temperature=1.0, top_p=0.9, seed=seed).choices[0].message.content
+
+    first = sample(11)
+    assert sample(11) == first
+    assert len({first, sample(12), sample(13), sample(14)}) > 1
