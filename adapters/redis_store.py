@@ -3,7 +3,7 @@
 Keys (all under one prefix, all with TTLs so nothing needs sweeping):
   {p}:win:{tenant}:{period}:{start}   hash: prompt_tokens, completion_tokens, cost_micro, requests
   {p}:held:{tenant}                   zset of live reservations "id|tokens|cost_micro", score = expiry
-  {p}:rpm:{tenant}:{minute}           request counter of one minute
+  {p}:rate:{tenant}:{minute}          hash: requests, tokens admitted in one minute
   {p}:par:{tenant}                    zset of requests in flight, score = expiry
   {p}:cache:{key}                     cached upstream continuations
 Reservations are taken by a Lua script, so concurrent requests in any number of processes cannot
@@ -13,6 +13,7 @@ unavailable for a second instead of costing a time-out on every call.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import redis.asyncio as redis
@@ -20,7 +21,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from adapters.store import Billed, Headroom, Limits, Reservation, StoreUnavailable, WindowUsage, new_reservation, to_micro, windows_of
+from adapters.store import (
+    Billed, Headroom, Limits, RateLimits, Reservation, StoreUnavailable, WindowUsage, new_reservation, to_micro, windows_of,
+)
 
 # Sums live reservations (dropping expired ones) and checks every window; KEYS: held zset,
 # day hash, month hash. ARGV: now, expiry, member, tokens, cost, then (token, cost) limits of
@@ -57,16 +60,28 @@ end
 return {1, room_tok or 0, room_cost or 0}
 """
 
-# KEYS: in-flight zset; ARGV: now, expiry, request id, max parallel
-PARALLEL_LUA = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
-redis.call('PEXPIREAT', KEYS[1], math.floor(tonumber(ARGV[2]) * 1000))
+# Rate limits in one step. KEYS: this minute's hash (requests, tokens), in-flight zset. ARGV: now,
+# slot expiry, request id, requests/min, tokens/min, max parallel (-1: none), tokens asked.
+# Returns 1 (admitted), 0 (a per-minute limit) or -1 (no parallel slot); refusals count nothing.
+ADMIT_LUA = """
+local used = redis.call('HMGET', KEYS[1], 'requests', 'tokens')
+local requests, tokens = tonumber(used[1] or 0), tonumber(used[2] or 0)
+local rpm, tpm, parallel, asked = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+if (rpm >= 0 and requests + 1 > rpm) or (tpm >= 0 and tokens + asked > tpm) then return 0 end
+if parallel >= 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])
+  if redis.call('ZCARD', KEYS[2]) >= parallel then return -1 end
+  redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+  redis.call('PEXPIREAT', KEYS[2], math.floor(tonumber(ARGV[2]) * 1000))
+end
+redis.call('HINCRBY', KEYS[1], 'requests', 1)
+redis.call('HINCRBY', KEYS[1], 'tokens', asked)
+redis.call('EXPIRE', KEYS[1], 120)
 return 1
 """
 
 UNLIMITED = -1
+log = logging.getLogger("gateway.store")
 SKIP_AFTER_FAILURE_S = 1.0
 
 
@@ -82,7 +97,7 @@ class RedisStore:
         self._reservation_ttl_s = reservation_ttl_s
         self._cache_ttl_s = cache_ttl_s
         self._headroom_script = self._redis.register_script(HEADROOM_LUA)
-        self._parallel_script = self._redis.register_script(PARALLEL_LUA)
+        self._admit_script = self._redis.register_script(ADMIT_LUA)
         self._down_until = 0.0
 
     async def _run(self, operation):
@@ -91,6 +106,8 @@ class RedisStore:
         try:
             return await operation
         except (RedisError, OSError) as exc:
+            if self._down_until == 0.0 or time.monotonic() - self._down_until > 60:
+                log.warning("Redis unavailable (%s); serving local-only until it answers", type(exc).__name__)
             self._down_until = time.monotonic() + SKIP_AFTER_FAILURE_S
             raise StoreUnavailable(f"Redis unavailable: {type(exc).__name__}: {exc}") from exc
 
@@ -154,23 +171,17 @@ class RedisStore:
             ))
         return result
 
-    async def admit(self, tenant: str, request_id: str, per_minute: int | None, max_parallel: int | None,
-                    now: float) -> float | None:
-        if per_minute is not None:
-            minute = int(now // 60)
-            key = f"{self._prefix}:rpm:{tenant}:{minute}"
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.incr(key)
-            pipe.expire(key, 120)
-            count, _ = await self._run(pipe.execute())
-            if count > per_minute:
-                return (minute + 1) * 60 - now
-        if max_parallel is not None:
-            keys = [f"{self._prefix}:par:{tenant}"]
-            args = [now, now + self._reservation_ttl_s * 10, request_id, max_parallel]
-            if await self._run(self._parallel_script(keys=keys, args=args)) != 1:
-                return 1.0
-        return None
+    async def admit(self, tenant: str, request_id: str, limits: RateLimits, tokens: int, now: float) -> float | None:
+        if limits == RateLimits():
+            return None
+        minute = int(now // 60)
+        keys = [f"{self._prefix}:rate:{tenant}:{minute}", f"{self._prefix}:par:{tenant}"]
+        args = [now, now + self._reservation_ttl_s * 10, request_id, _limit(limits.requests_per_minute),
+                _limit(limits.tokens_per_minute), _limit(limits.max_parallel), tokens]
+        verdict = await self._run(self._admit_script(keys=keys, args=args))
+        if verdict == 1:
+            return None
+        return (minute + 1) * 60 - now if verdict == 0 else 1.0
 
     async def leave(self, tenant: str, request_id: str) -> None:
         await self._run(self._redis.zrem(f"{self._prefix}:par:{tenant}", request_id))

@@ -37,6 +37,15 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class RateLimits:
+    """Per-tenant rate limits; None means unlimited."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_parallel: int | None = None
+
+
+@dataclass(frozen=True)
 class Reservation:
     tenant: str
     id: str
@@ -89,12 +98,14 @@ def windows_of(now: float) -> list[tuple[str, str, int]]:
     ]
 
 
-def to_micro(usd: float) -> int:
-    return int(math.ceil(usd * 1_000_000))
+def to_micro(usd: float, round_up: bool = False) -> int:
+    """Micro-dollars: reservations round up (never under-reserve), settlements to nearest."""
+    micro = usd * 1_000_000
+    return int(math.ceil(micro)) if round_up else int(round(micro))
 
 
 def new_reservation(tenant: str, tokens: int, cost_usd: float) -> Reservation:
-    return Reservation(tenant, uuid.uuid4().hex, tokens, to_micro(cost_usd))
+    return Reservation(tenant, uuid.uuid4().hex, tokens, to_micro(cost_usd, round_up=True))
 
 
 class Store(Protocol):
@@ -115,9 +126,10 @@ class Store(Protocol):
 
     async def usage(self, tenant: str, now: float) -> list[WindowUsage]: ...
 
-    async def admit(self, tenant: str, request_id: str, per_minute: int | None, max_parallel: int | None,
-                    now: float) -> float | None:
-        """Take a rate-limit slot; return None if admitted, else seconds to wait."""
+    async def admit(self, tenant: str, request_id: str, limits: RateLimits, tokens: int, now: float) -> float | None:
+        """Count a request of `tokens` against the limits; None if admitted, else seconds to wait.
+
+        A refused request does not count. An admitted one holds a parallel slot until `leave`."""
 
     async def leave(self, tenant: str, request_id: str) -> None: ...
 
@@ -146,7 +158,7 @@ class MemoryStore:
     cache_ttl_s: float = 86_400.0
     _windows: dict[tuple[str, str, str], _Window] = field(default_factory=dict)
     _held: dict[str, dict[str, tuple[Reservation, float]]] = field(default_factory=dict)
-    _minute: dict[tuple[str, int], int] = field(default_factory=dict)
+    _minute: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # (requests, tokens)
     _parallel: dict[str, dict[str, float]] = field(default_factory=dict)
     _cache: dict[str, tuple[str, float]] = field(default_factory=dict)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -180,11 +192,11 @@ class MemoryStore:
     async def reserve(self, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float) -> Reservation | None:
         async with self._lock:
             room = self._headroom(tenant, limits, now)
+            reservation = new_reservation(tenant, tokens, cost_usd)
             if (room.tokens is not None and tokens > room.tokens) or (
-                room.cost_usd is not None and to_micro(cost_usd) > to_micro(room.cost_usd)
+                room.cost_usd is not None and reservation.cost_micro > to_micro(room.cost_usd)
             ):
                 return None
-            reservation = new_reservation(tenant, tokens, cost_usd)
             self._held[tenant][reservation.id] = (reservation, now + self.reservation_ttl_s)
             return reservation
 
@@ -214,23 +226,23 @@ class MemoryStore:
             result.append(WindowUsage(period, start, w.prompt_tokens, w.completion_tokens, w.cost_micro / 1e6, w.requests))
         return result
 
-    async def admit(self, tenant: str, request_id: str, per_minute: int | None, max_parallel: int | None,
-                    now: float) -> float | None:
+    async def admit(self, tenant: str, request_id: str, limits: RateLimits, tokens: int, now: float) -> float | None:
         minute = int(now // 60)
         for stale in [k for k in self._minute if k[1] < minute]:
             del self._minute[stale]
-        if per_minute is not None:
-            count = self._minute.get((tenant, minute), 0) + 1
-            self._minute[(tenant, minute)] = count
-            if count > per_minute:
-                return (minute + 1) * 60 - now
-        if max_parallel is not None:
+        requests, used = self._minute.get((tenant, minute), (0, 0))
+        if (limits.requests_per_minute is not None and requests + 1 > limits.requests_per_minute) or (
+            limits.tokens_per_minute is not None and used + tokens > limits.tokens_per_minute
+        ):
+            return (minute + 1) * 60 - now
+        if limits.max_parallel is not None:
             running = self._parallel.setdefault(tenant, {})
             for key in [k for k, expires in running.items() if expires <= now]:
                 del running[key]
-            if len(running) >= max_parallel:
+            if len(running) >= limits.max_parallel:
                 return 1.0
             running[request_id] = now + self.reservation_ttl_s * 10
+        self._minute[(tenant, minute)] = (requests + 1, used + tokens)
         return None
 
     async def leave(self, tenant: str, request_id: str) -> None:

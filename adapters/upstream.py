@@ -28,6 +28,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the
 import litellm  # noqa: E402
 
 litellm.suppress_debug_info = True
+litellm.disable_aiohttp_transport = True  # httpx: its aiohttp sessions leak on failed calls
 for _name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
     logging.getLogger(_name).setLevel(logging.WARNING)  # it logs every call at INFO
 

@@ -19,14 +19,14 @@ import uuid
 import redis
 
 from adapters.redis_store import RedisStore
-from adapters.store import Billed, Limits, MemoryStore
+from adapters.store import Billed, Limits, MemoryStore, RateLimits
 
 LIMITS = Limits(day_tokens=10**12, month_cost_usd=10**6)
 
 
 async def one_request(store, tenant: str, handoffs: int) -> None:
     now = time.time()
-    await store.admit(tenant, uuid.uuid4().hex, 10**6, None, now)
+    await store.admit(tenant, uuid.uuid4().hex, RateLimits(requests_per_minute=10**6), 50, now)
     await store.count_request(tenant, now)
     await store.headroom(tenant, LIMITS, now)
     for step in range(handoffs):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 
 from adapters.local_model import LocalModelError
 from adapters.model_files import CATALOG, ModelFileError, resolve_model
 from adapters.upstream_server import UpstreamServerError
+from gateway.observability import configure_logging
 from gateway.settings import SettingsError, load_settings
 
 STARTUP_ERRORS = (SettingsError, ModelFileError, LocalModelError, UpstreamServerError)
@@ -17,7 +17,7 @@ STARTUP_ERRORS = (SettingsError, ModelFileError, LocalModelError, UpstreamServer
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         return args.run(args)
     except STARTUP_ERRORS as exc:
@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default="json", choices=["json", "text"],
+                        help="json: one object per line with the request id (default); text: for a terminal")
     commands = parser.add_subparsers(required=True)
     serve = commands.add_parser("serve", help="run the gateway")
     serve.add_argument("--config", default="config.yaml", help="YAML settings file (default: config.yaml)")
@@ -38,8 +40,14 @@ def _parser() -> argparse.ArgumentParser:
     fetch.set_defaults(run=_fetch)
     check = commands.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("--config", default="config.yaml")
-    check.set_defaults(run=lambda a: (load_settings(a.config), print("config ok"))[0] or 0)
+    check.set_defaults(run=_check_config)
     return parser
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config)
+    print(f"config ok: aliases {', '.join(settings.aliases)}")
+    return 0
 
 
 def _fetch(args: argparse.Namespace) -> int:
@@ -50,10 +58,10 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
-    return asyncio.run(_serve_async(settings))
+    return asyncio.run(_serve_async(settings, args.log_level))
 
 
-async def _serve_async(settings) -> int:
+async def _serve_async(settings, log_level: str) -> int:
     import uvicorn
 
     from gateway.app import create_app
@@ -66,8 +74,9 @@ async def _serve_async(settings) -> int:
 
     app = create_app(settings, start_runtime=reuse)
     config = uvicorn.Config(
-        app, host=settings.server.host, port=settings.server.port, log_level="info",
+        app, host=settings.server.host, port=settings.server.port, log_level=log_level,
         timeout_graceful_shutdown=int(settings.server.drain_seconds), access_log=False,
+        log_config=None,  # uvicorn's lines go through our handler: JSON, with request ids
     )
     try:
         await uvicorn.Server(config).serve()

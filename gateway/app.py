@@ -9,7 +9,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI
 
+from gateway import observability
 from gateway.errors import install_error_handlers
+from gateway.playground import router as playground_router
 from gateway.routes import router
 from gateway.runtime import Runtime
 from gateway.settings import Settings
@@ -25,6 +27,7 @@ def create_app(settings: Settings, start_runtime: RuntimeFactory = Runtime.start
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.runtime = await start_runtime(settings)
+        observability.instrument(app.state.runtime, app.state.metrics)
         log.info("gateway ready: aliases %s", ", ".join(app.state.runtime.aliases))
         try:
             yield
@@ -35,7 +38,9 @@ def create_app(settings: Settings, start_runtime: RuntimeFactory = Runtime.start
     app = FastAPI(title="routing-gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(router)
-    app.add_middleware(RequestIdMiddleware)
+    app.include_router(playground_router)
+    observability.install(app, observability.Metrics())  # a registry per app: no process globals
+    app.add_middleware(RequestIdMiddleware)  # outermost: the id is set for every log line below it
     return app
 
 
@@ -58,4 +63,8 @@ class RequestIdMiddleware:
                 message["headers"] = list(message["headers"]) + [(b"x-request-id", request_id)]
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        token = observability.request_id_var.set(request_id.decode("latin-1"))
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            observability.request_id_var.reset(token)

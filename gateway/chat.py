@@ -83,13 +83,11 @@ async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -
         alias.local.check_admission()
     except QueueFull as exc:
         raise Overloaded(f"the local model is busy ({exc}); retry shortly") from exc
+    gate = HandoffGate(runtime.ledger, tenant.id, tenant.limits, allowed=tenant.settings.allow_upstream,
+                       refusal="budget_exhausted" if tenant.settings.allow_upstream else "upstream_forbidden")
+    decoding = _decoding(alias, gate, body, routing, max_tokens)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    gate = await _gate(runtime, tenant, alias, request_id)
-    try:
-        decoding = _decoding(alias, gate, body, routing, max_tokens)
-    except GatewayError:
-        await leave(runtime, tenant, request_id)
-        raise
+    await _admit(runtime, tenant, gate, request_id, tokens=len(decoding.prompt_tokens) + decoding.limit)
     return Admitted(request_id, int(time.time()), alias, tenant, body, decoding)
 
 
@@ -124,26 +122,21 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, rout
     return decoding
 
 
-async def _gate(runtime: Runtime, tenant: Tenant, alias: Alias, request_id: str) -> HandoffGate:
-    """Rate limits and budget at admission; a store fault degrades to local-only, never fails."""
-    store, now, limits = runtime.ledger.store, runtime.ledger.clock(), tenant.limits
-    gate = HandoffGate(runtime.ledger, tenant.id, limits, allowed=tenant.settings.allow_upstream)
-    if not gate.allowed:
-        gate.refusal = "upstream_forbidden"
-    rates = tenant.settings.rate_limits
+async def _admit(runtime: Runtime, tenant: Tenant, gate: HandoffGate, request_id: str, tokens: int) -> None:
+    """Rate limits and budget at admission; a store fault closes the gate (local-only), never fails."""
+    store, now = runtime.ledger.store, runtime.ledger.clock()
     try:
-        wait = await store.admit(tenant.id, request_id, rates.requests_per_minute, rates.max_parallel, now)
+        wait = await store.admit(tenant.id, request_id, tenant.rate_limits, tokens, now)
         if wait is not None:
             raise RateLimited("rate limit reached for this tenant", wait)
         await store.count_request(tenant.id, now)
-        if gate.allowed and not limits.unlimited:
-            gate.headroom = await store.headroom(tenant.id, limits, now)
+        if gate.allowed and not gate.limits.unlimited:
+            gate.headroom = await store.headroom(tenant.id, gate.limits, now)
     except StoreUnavailable:
         gate.allowed, gate.refusal = False, "store_unavailable"
-        return gate
+        return
     if gate.headroom is not None and gate.headroom.exhausted:
         if tenant.settings.on_budget_exhausted == "refuse":
             await leave(runtime, tenant, request_id)
             raise QuotaExceeded("You exceeded your upstream budget for this period.")
         gate.allowed, gate.refusal = False, "budget_exhausted"
-    return gate

@@ -11,7 +11,7 @@ one waits for its upstream. A failed or refused hand-off decodes the step locall
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +28,7 @@ from gateway.text_stream import TextReleaser
 from policies import Policy, Route, RoutingState, Signal
 
 LOCAL, UPSTREAM, CACHE = "local", "upstream", "cache"
+log = logging.getLogger("gateway.decoder")
 
 
 @dataclass(frozen=True)
@@ -100,15 +101,16 @@ class Decoding:
         self.usage = RoutingUsage(policy=request.policy.name)
         self.finish_reason: str | None = None
         self._rng = np.random.default_rng(request.seed)
-        self._upstream_closed = upstream is None or not gate.allowed
-        if upstream is not None and not gate.allowed:
-            self.usage.degrade(gate.refusal)
+        self._upstream_closed = upstream is None
 
     def source_counts(self) -> dict[str, int]:
         return {name: self.sources.count(name) for name in (LOCAL, UPSTREAM, CACHE)}
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """The answer, piece by piece; the last piece releases any text still held back."""
+        if self.upstream is not None and not self.gate.allowed:  # settled at admission
+            self._upstream_closed = True
+            self.usage.degrade(self.gate.refusal)
         while self.finish_reason is None:
             logits, signal, route = None, None, Route.LOCAL
             async with self.local.lease() as lease:
@@ -137,6 +139,8 @@ class Decoding:
             handoff_cost_tokens=len(self.prompt_tokens) + answered + self.request.span,
         )
         wanted = self.request.policy.decide(signal, state)
+        if getattr(self.request.policy, "vetoed", None) == "budget" and not self._upstream_closed:
+            self.usage.degrade("budget_exhausted")
         if wanted is Route.LOCAL or self._upstream_closed or self.text.mid_character:
             return Route.LOCAL
         if not self.upstream.available:
@@ -200,8 +204,9 @@ class Decoding:
             continuation = await self.upstream.continue_text(
                 handoff, span, sampling.temperature, sampling.top_p, self.request.seed
             )
-        except UpstreamUnavailable:
+        except UpstreamUnavailable as exc:
             await asyncio.shield(self.gate.release(reservation))
+            log.warning("hand-off decoded locally: %s", exc)
             self.usage.degrade("upstream_unavailable")
             return None
         except BaseException:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
+from gateway import observability
 from gateway.chat import Admitted, admit, leave
 from gateway.decoder import Piece
 from gateway.errors import Forbidden, GatewayError, InvalidRequest, Unauthenticated, param_of, sse_error_event
@@ -69,11 +70,14 @@ async def chat_completions(request: Request):
     runtime = runtime_of(request)
     tenant = authenticate(request)
     body = await parse_chat_request(request)
+    observability.note_model(body.model)
     admitted = await admit(runtime, tenant, body)
     if body.stream:
-        return EventSourceResponse(_stream(runtime, admitted), sep="\n", ping=15)
+        # On SIGTERM, sse-starlette would cut streams at once; the grace period lets them finish.
+        return EventSourceResponse(_stream(runtime, admitted), sep="\n", ping=15,
+                                   shutdown_grace_period=runtime.settings.server.drain_seconds)
     try:
-        pieces = [piece async for piece in admitted.decoding.pieces()]
+        pieces = [piece async for piece in observability.metered(admitted)]
     finally:
         await leave(runtime, tenant, admitted.id)
     return JSONResponse(completion_body(admitted, pieces), headers={"x-routing-summary": routing_header(admitted)})
@@ -84,7 +88,7 @@ async def _stream(runtime: Runtime, admitted: Admitted):
     try:
         yield _event(chunk(admitted, {"role": "assistant", "content": ""}))
         last: Piece | None = None
-        async for piece in admitted.decoding.pieces():
+        async for piece in observability.metered(admitted):
             if not piece.text:
                 continue  # nothing showable yet (a split character or a possible stop string)
             if last is not None:

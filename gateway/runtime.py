@@ -72,7 +72,8 @@ class Runtime:
             upstream = upstreams[alias.upstream] if alias.upstream else None
             self.aliases[name] = Alias(name, self.local_models[alias.local], upstream, alias)
         if not await self.ledger.store.ping():
-            log.warning("store at %s does not answer: serving local-only until it does", settings.store.url)
+            host = settings.store.url.rsplit("@", 1)[-1]  # never log a password
+            log.warning("store at %s does not answer: serving local-only until it does", host)
 
     async def _upstream(self, name: str, settings: UpstreamSettings) -> Upstream:
         if settings.launch is not None:

@@ -144,6 +144,8 @@ class BudgetSettings(Strict):
 
 class RateLimitSettings(Strict):
     requests_per_minute: int | None = Field(None, ge=1, description="Requests per minute.")
+    tokens_per_minute: int | None = Field(
+        None, ge=1, description="Prompt tokens plus max_tokens of the requests admitted per minute (as OpenAI counts).")
     max_parallel: int | None = Field(None, ge=1, description="Requests in flight at once.")
 
 

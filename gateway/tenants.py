@@ -7,7 +7,7 @@ import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from adapters.store import Limits
+from adapters.store import Limits, RateLimits
 from gateway.settings import SettingsError, TenantSettings
 
 
@@ -20,6 +20,11 @@ class Tenant:
     def limits(self) -> Limits:
         s = self.settings
         return Limits(s.daily.upstream_tokens, s.daily.upstream_cost_usd, s.monthly.upstream_tokens, s.monthly.upstream_cost_usd)
+
+    @property
+    def rate_limits(self) -> RateLimits:
+        r = self.settings.rate_limits
+        return RateLimits(r.requests_per_minute, r.tokens_per_minute, r.max_parallel)
 
     def may_use(self, alias: str) -> bool:
         return self.settings.aliases is None or alias in self.settings.aliases

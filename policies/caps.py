@@ -12,33 +12,35 @@ class Capped:
     """Per-request caps on upstream answer tokens, upstream share and calls, and the budget left.
 
     `max_share` is checked against the share the answer would have if this step went upstream,
-    so the cap holds at every point of the answer, not just at its end.
+    so the cap holds at every point of the answer, not just at its end. After each decision,
+    `vetoed` says which kind of cap turned UPSTREAM into LOCAL ("cap", "budget" or None), so the
+    caller can report a budget that ran out.
     """
 
     inner: Policy
     max_tokens: int | None = None
     max_share: float | None = None
     max_calls: int | None = None
+    vetoed: str | None = None
 
     @property
     def name(self) -> str:
         return self.inner.name
 
     def decide(self, signal: Signal, state: RoutingState) -> Route:
-        wanted = self.inner.decide(signal, state)
-        if wanted is Route.UPSTREAM and self._allows(state):
-            return Route.UPSTREAM
-        return Route.LOCAL
+        self.vetoed = None
+        if self.inner.decide(signal, state) is Route.LOCAL:
+            return Route.LOCAL
+        self.vetoed = self._veto(state)
+        return Route.LOCAL if self.vetoed else Route.UPSTREAM
 
-    def _allows(self, state: RoutingState) -> bool:
+    def _veto(self, state: RoutingState) -> str | None:
         if self.max_tokens is not None and state.upstream_tokens >= self.max_tokens:
-            return False
+            return "cap"
         if self.max_calls is not None and state.upstream_calls >= self.max_calls:
-            return False
-        if self.max_share is not None:
-            share_after = (state.upstream_tokens + 1) / (state.answer_tokens + 1)
-            if share_after > self.max_share:
-                return False
+            return "cap"
+        if self.max_share is not None and (state.upstream_tokens + 1) / (state.answer_tokens + 1) > self.max_share:
+            return "cap"
         if state.budget_tokens_left is not None and state.handoff_cost_tokens > state.budget_tokens_left:
-            return False
-        return True
+            return "budget"
+        return None

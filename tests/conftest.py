@@ -105,7 +105,7 @@ def gateway_config(upstream_base: str | None, template_gguf: str = SMOL, **overr
     if upstream_base:
         config["upstreams"]["up"] = {
             "model": "text-completion-openai/up", "api_base": upstream_base, "mode": "completions",
-            "template_gguf": template_gguf, "timeout_s": 10, "retries": 0,
+            "template_gguf": template_gguf, "timeout_s": 30, "retries": 0,
             "extra_body": {"repeat_penalty": 1.0},
             "input_usd_per_mtok": 0.5, "output_usd_per_mtok": 1.5,
         }

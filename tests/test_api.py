@@ -224,3 +224,24 @@ def test_sampling_is_reproducible_with_a_seed(client):
     first = sample(11)
     assert sample(11) == first
     assert len({first, sample(12), sample(13), sample(14)}) > 1
+
+
+def test_concurrent_requests_do_not_disturb_each_other(gateway):
+    import asyncio
+
+    prompts = ["Name a fruit.", "What is 2+2?", "Say hi.", "Name a river."]
+
+    async def both():
+        async_client = openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key=DEMO_KEY, max_retries=0)
+
+        async def one(text):
+            answer = await async_client.chat.completions.create(
+                model="routed", messages=[{"role": "user", "content": text}], max_tokens=16, temperature=0)
+            return answer.choices[0].message.content
+
+        together = await asyncio.gather(*(one(p) for p in prompts))
+        alone = [await one(p) for p in prompts]
+        return together, alone
+
+    together, alone = asyncio.run(both())
+    assert together == alone

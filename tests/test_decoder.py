@@ -129,3 +129,15 @@ async def test_cached_continuation_is_reused_without_upstream_calls():
     assert text == "Paris is nice." and upstream.calls == []
     assert second.source_counts()["cache"] == len(second.answer_tokens) > 0
     invariant(second)
+
+
+async def test_budget_too_small_for_a_hand_off_is_reported():
+    from adapters.store import Headroom
+
+    local = FakeLocalModel(VOCAB, "Paris is nice.")
+    upstream = FakeUpstream("Paris is big.")
+    decoding, _ = make(local, upstream, limits=Limits(day_tokens=5))
+    decoding.gate.headroom = Headroom(tokens=5, cost_usd=None)  # as read at admission
+    await run(decoding)
+    assert upstream.calls == [] and decoding.usage.degraded == ["budget_exhausted"]
+    assert decoding.source_counts()["local"] == len(decoding.answer_tokens)

@@ -30,7 +30,7 @@ PROMPTS = [
 
 def upstream_for(base: str, template: str, **extra):
     settings = UpstreamSettings(model="text-completion-openai/up", api_base=base, mode="completions",
-                                template_gguf=template, timeout_s=5, retries=0, breaker_failures=2,
+                                template_gguf=template, timeout_s=30, retries=0, breaker_failures=2,
                                 extra_body={"repeat_penalty": 1.0}, **extra)
     return make_upstream("up", settings)
 

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 import pytest
 
 from adapters.redis_store import RedisStore
-from adapters.store import Billed, Limits, MemoryStore, StoreUnavailable
+from adapters.store import Billed, Limits, MemoryStore, RateLimits, StoreUnavailable
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc).timestamp()
 NEXT_DAY = datetime(2026, 12, 1, 0, 0, 1, tzinfo=timezone.utc).timestamp()
@@ -77,14 +77,25 @@ async def test_concurrent_reservations_never_pass_the_limit(store):
 
 
 async def test_rate_limits_and_parallel_slots(store):
-    assert await store.admit("t", "a", 2, None, NOW) is None
-    assert await store.admit("t", "b", 2, None, NOW) is None
-    wait = await store.admit("t", "c", 2, None, NOW)
+    per_minute = RateLimits(requests_per_minute=2)
+    assert await store.admit("t", "a", per_minute, 10, NOW) is None
+    assert await store.admit("t", "b", per_minute, 10, NOW) is None
+    wait = await store.admit("t", "c", per_minute, 10, NOW)
     assert wait is not None and 0 < wait <= 60
-    assert await store.admit("t", "d", None, 1, NOW) is None
-    assert await store.admit("t", "e", None, 1, NOW) == 1.0
-    await store.leave("t", "d")
-    assert await store.admit("t", "e", None, 1, NOW) is None
+    assert await store.admit("t", "c", per_minute, 10, NOW + 60) is None  # next minute
+    parallel = RateLimits(max_parallel=1)
+    assert await store.admit("u", "d", parallel, 0, NOW) is None
+    assert await store.admit("u", "e", parallel, 0, NOW) == 1.0
+    await store.leave("u", "d")
+    assert await store.admit("u", "e", parallel, 0, NOW) is None
+
+
+async def test_tokens_per_minute_and_refusals_count_nothing(store):
+    limits = RateLimits(tokens_per_minute=100)
+    assert await store.admit("t", "a", limits, 60, NOW) is None
+    assert await store.admit("t", "b", limits, 60, NOW) is not None  # 120 > 100
+    assert await store.admit("t", "c", limits, 40, NOW) is None  # the refused 60 were not counted
+    assert await store.admit("t", "d", limits, 1, NOW) is not None
 
 
 async def test_cache_round_trip(store):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 import shutil
 import subprocess
 import time
@@ -70,9 +71,10 @@ def test_concurrent_requests_over_two_processes_respect_the_budget(smol_upstream
     reported = sum(r["upstream_prompt_tokens"] + r["upstream_completion_tokens"] for r in billed)
     ledger = usage["upstream_prompt_tokens"] + usage["upstream_completion_tokens"]
     one_reservation = max(r["upstream_prompt_tokens"] // max(r["upstream_calls"], 1) for r in billed) + 1
+    reasons = Counter(reason for r in billed for reason in r["degraded"])
     assert ledger == reported
     assert ledger <= BUDGET + one_reservation
-    assert ledger >= 0.8 * BUDGET
+    assert ledger >= 0.8 * BUDGET, f"ledger {ledger} of {BUDGET}; degraded: {dict(reasons)}"
     assert usage["requests"] == 50
     assert all(a.choices[0].message.content for a in answers)
     assert sum("budget_exhausted" in r["degraded"] for r in billed) > 0

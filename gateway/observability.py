@@ -1,0 +1,377 @@
+"""Metrics and logs: a Prometheus registry per app, one JSON log line per event, request ids.
+
+Every app gets its own `Metrics` (its own CollectorRegistry), so several apps can live in one
+process (tests) without clashing. Labels are deliberately few and bounded: `alias` (a configured
+alias name, or "unknown"), `status` (the HTTP status class), `source` (local/upstream/cache)
+and `reason` (an error code or a `usage.routing.degraded` reason). Tenant ids, keys and prompt
+text never become labels, and neither keys nor prompts are logged: log lines carry ids, counts
+and timings only, and a last-resort filter masks anything that looks like a bearer key.
+
+The decoder stays free of metrics code: `metered(admitted)` wraps its piece stream, and
+`MeteredUpstream` wraps each alias's upstream at start-up to time and count real calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import inspect
+import json
+import logging
+import re
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from gateway.errors import GatewayError
+
+log = logging.getLogger("gateway.requests")
+router = APIRouter()
+
+CHAT_PATH = "/v1/chat/completions"
+QUIET_PATHS = ("/metrics", "/health/")  # scraped every few seconds: logged at DEBUG only
+UNKNOWN = "unknown"
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
+STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("gateway_request_id", default=None)
+
+
+class Metrics:
+    """The gateway's Prometheus metrics on a registry of their own."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("gateway_chat_requests", "Chat completion requests by alias and HTTP status class.",
+                                ["alias", "status"], registry=r)
+        self.errors = Counter("gateway_chat_errors", "Chat completions refused or failed (also mid-stream), by error code.",
+                              ["alias", "reason"], registry=r)
+        self.ttft = Histogram("gateway_time_to_first_token_seconds",
+                              "From the request's arrival to its first answer token.", ["alias"],
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.token_latency = Histogram("gateway_token_latency_seconds",
+                                       "Decode time per answer token after the first, by where it came from.",
+                                       ["alias", "source"], buckets=STEP_BUCKETS, registry=r)
+        self.tokens = Counter("gateway_completion_tokens", "Answer tokens by source (local, upstream, cache).",
+                              ["alias", "source"], registry=r)
+        self.cache_hits = Counter("gateway_cache_hits", "Hand-offs answered from the continuation cache.",
+                                  ["alias"], registry=r)
+        self.degraded = Counter("gateway_degraded_requests",
+                                "Requests that fell back to local decoding, by usage.routing.degraded reason.",
+                                ["alias", "reason"], registry=r)
+        self._upstream_metrics(r)
+        r.register(_QueueDepth(self))
+        self.runtime: Any = None  # set by `instrument`; read by the queue-depth collector
+
+    def _upstream_metrics(self, r: CollectorRegistry) -> None:
+        self.upstream_calls = Counter("gateway_upstream_calls", "Calls made to an upstream model.", ["alias"], registry=r)
+        self.upstream_errors = Counter("gateway_upstream_errors", "Upstream calls that failed or were not made.",
+                                       ["alias", "reason"], registry=r)
+        self.upstream_latency = Histogram("gateway_upstream_latency_seconds", "Wall time of successful upstream calls.",
+                                          ["alias"], buckets=STEP_BUCKETS, registry=r)
+        self.upstream_prompt_tokens = Counter("gateway_upstream_prompt_tokens", "Prompt tokens billed by upstreams.",
+                                              ["alias"], registry=r)
+        self.upstream_completion_tokens = Counter("gateway_upstream_completion_tokens",
+                                                  "Completion tokens billed by upstreams.", ["alias"], registry=r)
+        self.upstream_cost = Counter("gateway_upstream_cost_usd", "Upstream cost in USD.", ["alias"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _QueueDepth:
+    """`gateway_queue_depth{alias}`, read at scrape time (aliases sharing a model report the same queue)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self):
+        return [GaugeMetricFamily("gateway_queue_depth", "Requests waiting for or holding the alias's local model.",
+                                  labels=["alias"])]
+
+    def collect(self):
+        family = self.describe()[0]
+        runtime = self._metrics.runtime
+        for name, alias in (runtime.aliases.items() if runtime is not None else ()):
+            family.add_metric([name], alias.local.queue_depth)
+        yield family
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics_endpoint(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+# -- wiring (called from create_app and its lifespan) --
+
+def install(app: FastAPI, metrics: Metrics) -> None:
+    """Serve /metrics, measure every request, and note the error code of each refused one."""
+    app.state.metrics = metrics
+    app.include_router(router)
+    for kind, handler in list(app.exception_handlers.items()):
+        app.exception_handlers[kind] = _noting_error(handler)
+    app.add_middleware(ObservabilityMiddleware, metrics=metrics)
+
+
+def instrument(runtime: Any, metrics: Metrics) -> None:
+    """Wrap each alias's upstream so its calls are counted and timed under that alias."""
+    metrics.runtime = runtime
+    for name, alias in list(runtime.aliases.items()):
+        upstream = alias.upstream
+        if isinstance(upstream, MeteredUpstream):  # a runtime reused by a second app: count for the new one
+            upstream = upstream.inner
+        if upstream is not None:
+            runtime.aliases[name] = dataclasses.replace(alias, upstream=MeteredUpstream(upstream, metrics, name))
+
+
+def _noting_error(handler):
+    async def handle(request: Request, exc: Exception):
+        record = _record.get()
+        if record is not None:
+            record.error = error_reason(exc)
+        response = handler(request, exc)
+        return await response if inspect.isawaitable(response) else response
+
+    return handle
+
+
+def error_reason(exc: BaseException) -> str:
+    """A bounded label for an error: its OpenAI code, else its type, else the HTTP status."""
+    if isinstance(exc, GatewayError):
+        return exc.code or exc.type
+    status = getattr(exc, "status_code", None)
+    return f"http_{status}" if isinstance(status, int) else "internal_error"
+
+
+# -- one request --
+
+@dataclass
+class RequestRecord:
+    """What the middleware and the route hooks learn about one request."""
+
+    metrics: Metrics
+    started: float
+    status: int | None = None
+    model: str | None = None
+    alias: str | None = None
+    tenant: str | None = None
+    ttft_s: float | None = None
+    error: str | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+_record: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("gateway_request_record", default=None)
+
+
+def note_model(model: str) -> None:
+    """Hook for the chat route: the requested model name (labelled only if it is an alias)."""
+    record = _record.get()
+    if record is not None:
+        record.model = model
+
+
+class ObservabilityMiddleware:
+    """Times each request, counts chat completions by alias and status, logs one line per request."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord(self.metrics, time.perf_counter())
+        token = _record.set(record)
+
+        async def send_noting_status(message) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        except BaseException:
+            record.status, record.error = record.status or 500, record.error or "internal_error"
+            raise
+        finally:
+            _record.reset(token)
+            self._finish(scope, record)
+
+    def _finish(self, scope, record: RequestRecord) -> None:
+        path, status = scope["path"], record.status or 500
+        fields: dict[str, Any] = {"method": scope["method"], "path": path, "status": status,
+                                  "duration_ms": round((time.perf_counter() - record.started) * 1000, 1)}
+        if path == CHAT_PATH and scope["method"] == "POST":
+            alias = self._alias_label(scope, record)
+            self.metrics.requests.labels(alias, f"{status // 100}xx").inc()
+            if record.error is not None:
+                self.metrics.errors.labels(alias, record.error).inc()
+            fields.update(alias=alias, tenant=record.tenant, error=record.error, **record.summary)
+            if record.ttft_s is not None:
+                fields["ttft_ms"] = round(record.ttft_s * 1000, 1)
+        level = logging.DEBUG if path.startswith(QUIET_PATHS) else logging.INFO
+        log.log(level, "%s %s %s", scope["method"], path, status, extra=fields)
+
+    def _alias_label(self, scope, record: RequestRecord) -> str:
+        if record.alias is not None:
+            return record.alias
+        runtime = getattr(scope["app"].state, "runtime", None)
+        aliases = runtime.aliases if runtime is not None else {}
+        return record.model if record.model in aliases else UNKNOWN
+
+
+async def metered(admitted: Any) -> AsyncIterator[Any]:
+    """The admitted request's decoder pieces, timed and counted on the way through."""
+    record = _record.get()
+    if record is None:
+        async for piece in admitted.decoding.pieces():
+            yield piece
+        return
+    record.alias, record.tenant = admitted.alias.name, admitted.tenant.id
+    metrics, alias = record.metrics, admitted.alias.name
+    last = time.perf_counter()
+    try:
+        async for piece in admitted.decoding.pieces():
+            now = time.perf_counter()
+            if piece.tokens:
+                if record.ttft_s is None:
+                    record.ttft_s = now - record.started
+                    metrics.ttft.labels(alias).observe(record.ttft_s)
+                else:
+                    _observe_tokens(metrics, alias, piece.source, len(piece.tokens), now - last)
+                if piece.source == "cache":
+                    metrics.cache_hits.labels(alias).inc()
+            yield piece
+            last = time.perf_counter()  # the consumer's time (sending the chunk) is not decode time
+    except GatewayError as exc:
+        record.error = error_reason(exc)
+        raise
+    except (asyncio.CancelledError, GeneratorExit):
+        record.error = "client_disconnected"
+        raise
+    except Exception:
+        record.error = "internal_error"
+        raise
+    finally:
+        _count_answer(record, admitted)
+
+
+def _observe_tokens(metrics: Metrics, alias: str, source: str, count: int, seconds: float) -> None:
+    histogram = metrics.token_latency.labels(alias, source)
+    for _ in range(count):
+        histogram.observe(seconds / count)
+
+
+def _count_answer(record: RequestRecord, admitted: Any) -> None:
+    decoding, metrics, alias = admitted.decoding, record.metrics, admitted.alias.name
+    counts = decoding.source_counts()  # after re-tokenization: the authoritative split
+    for source, count in counts.items():
+        if count:
+            metrics.tokens.labels(alias, source).inc(count)
+    for reason in decoding.usage.degraded:
+        metrics.degraded.labels(alias, reason).inc()
+    record.summary = {"finish_reason": decoding.finish_reason, "tokens": counts,
+                      "upstream_calls": decoding.usage.upstream_calls, "degraded": list(decoding.usage.degraded)}
+
+
+class MeteredUpstream:
+    """An Upstream whose `continue_text` calls are counted and timed; all else is delegated."""
+
+    def __init__(self, inner: Any, metrics: Metrics, alias: str) -> None:
+        self.inner, self._metrics, self._alias = inner, metrics, alias
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def continue_text(self, *args: Any, **kwargs: Any) -> Any:
+        m, alias = self._metrics, self._alias
+        if not self.inner.available:
+            m.upstream_errors.labels(alias, "circuit_open").inc()
+            return await self.inner.continue_text(*args, **kwargs)  # raises UpstreamUnavailable
+        m.upstream_calls.labels(alias).inc()
+        started = time.perf_counter()
+        try:
+            continuation = await self.inner.continue_text(*args, **kwargs)
+        except Exception as exc:
+            m.upstream_errors.labels(alias, _upstream_failure(exc)).inc()
+            raise
+        m.upstream_latency.labels(alias).observe(time.perf_counter() - started)
+        m.upstream_prompt_tokens.labels(alias).inc(continuation.prompt_tokens)
+        m.upstream_completion_tokens.labels(alias).inc(continuation.completion_tokens)
+        m.upstream_cost.labels(alias).inc(continuation.cost_usd)
+        return continuation
+
+
+def _upstream_failure(exc: BaseException) -> str:
+    import openai  # only on failures: importing it costs the CLI most of a second
+
+    cause = exc.__cause__ or exc
+    timeouts = (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException, openai.APITimeoutError)
+    return "timeout" if isinstance(cause, timeouts) else "error"
+
+
+# -- logging --
+
+_SECRET = re.compile(r"(?i)\b(bearer\s+)[^\s\"',;]+|\bsk-[A-Za-z0-9_\-]{2,}")
+_RECORD_FIELDS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "request_id", "color_message"}
+_PLAIN = (str, int, float, bool, list, dict)  # other attributes are libraries' own bookkeeping
+
+
+def redact(text: str) -> str:
+    """Mask bearer tokens and `sk-` keys: a last line of defence, not a licence to log secrets."""
+    return _SECRET.sub(lambda m: (m.group(1) or "sk-") + "[redacted]", text)
+
+
+class RequestIdFilter(logging.Filter):
+    """Stamps each record with the current request's id ("-" outside a request)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id_var.get() or "-"
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, request_id, and the `extra=` fields that are set."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        body: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": redact(record.getMessage()),
+        }
+        request_id = getattr(record, "request_id", "-")
+        if request_id != "-":
+            body["request_id"] = request_id
+        body.update({k: v for k, v in vars(record).items() if k not in _RECORD_FIELDS and isinstance(v, _PLAIN)})
+        if record.exc_info:
+            body["exc"] = redact(self.formatException(record.exc_info))
+        return json.dumps(body, ensure_ascii=False, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
+def configure_logging(level: str = "info", fmt: str = "json") -> None:
+    """Root logging for the process: one handler on stderr, request ids on every line."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call, URL and all

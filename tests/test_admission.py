@@ -1,0 +1,76 @@
+"""Admission: queue limits, token rate limits, tenant alias lists and routing overrides."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import DEMO_KEY, gateway_config, live_gateway
+
+pytestmark = pytest.mark.integration
+
+QUESTION = [{"role": "user", "content": "Tell me a long story about a dragon."}]
+KEYS = {"TEST_TPM_KEY": "sk-tpm", "TEST_NARROW_KEY": "sk-narrow"}
+
+
+@pytest.fixture(scope="module")
+def gateway(smol_upstream, tmp_path_factory):
+    config = gateway_config(smol_upstream)
+    config["server"]["queue_limit"] = 0  # no waiting: a second request while one decodes gets 503
+    config["tenants"] += [
+        {"id": "tpm", "api_key_env": "TEST_TPM_KEY", "rate_limits": {"tokens_per_minute": 120}},
+        {"id": "narrow", "api_key_env": "TEST_NARROW_KEY", "aliases": ["local"],
+         "routing": {"policy": "always", "max_upstream_share": 0.5}},
+    ]
+    with live_gateway(config, tmp_path_factory.mktemp("admission"), env=KEYS) as running:
+        yield running
+
+
+def client(gateway, key: str = DEMO_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0)
+
+
+def test_full_queue_is_503_with_retry_after(gateway):
+    started = threading.Event()
+
+    def long_stream():
+        stream = client(gateway).chat.completions.create(model="local", messages=QUESTION, max_tokens=150, stream=True)
+        for _ in stream:
+            started.set()
+
+    worker = threading.Thread(target=long_stream)
+    worker.start()
+    assert started.wait(30)
+    with pytest.raises(openai.InternalServerError) as caught:
+        client(gateway).chat.completions.create(model="local", messages=QUESTION, max_tokens=2)
+    worker.join(60)
+    assert caught.value.status_code == 503 and caught.value.code == "overloaded"
+    assert int(caught.value.response.headers["retry-after"]) >= 1
+
+
+def test_tokens_per_minute(gateway):
+    tpm = client(gateway, "sk-tpm")
+    tpm.chat.completions.create(model="local", messages=[{"role": "user", "content": "hi"}], max_tokens=20)
+    with pytest.raises(openai.RateLimitError) as caught:  # the prompt alone is ~30 tokens, plus max_tokens
+        tpm.chat.completions.create(model="local", messages=[{"role": "user", "content": "hi"}], max_tokens=60)
+    assert caught.value.code == "rate_limit_exceeded"
+
+
+def test_tenant_alias_list_and_routing_override(gateway):
+    narrow = client(gateway, "sk-narrow")
+    with pytest.raises(openai.NotFoundError):
+        narrow.chat.completions.create(model="routed", messages=QUESTION, max_tokens=2)
+    assert [m.id for m in narrow.models.list()] == ["local"]
+    answer = narrow.chat.completions.create(model="local", messages=QUESTION, max_tokens=8, temperature=0)
+    assert answer.usage.model_extra["routing"]["policy"] == "always"  # the tenant's override applies
+
+
+def test_out_of_range_share_cap_is_400(gateway):
+    response = httpx.post(f"{gateway.base_url}/v1/chat/completions", timeout=60,
+                          headers={"Authorization": "Bearer sk-narrow"},
+                          json={"model": "local", "messages": QUESTION, "max_tokens": 4,
+                                "routing": {"max_upstream_share": 2}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "routing.max_upstream_share"
