@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The playground's browser test drives Debian's Chromium (installed with apt-get if missing).
+bash scripts/install-chromium.sh || echo "[test] no Chromium: the playground browser test will be skipped" >&2
 exec .venv/bin/python -m pytest "$@"
