@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -15,10 +13,10 @@ from adapters.chat_template import TemplateError
 from adapters.local_model import QueueFull
 from adapters.store import StoreUnavailable
 from gateway.budget import HandoffGate
-from gateway.decoder import Decoding, DecodeRequest, Piece, TokenLogprob
-from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound, Overloaded, QuotaExceeded, RateLimited, param_of
+from gateway.decoder import Decoding, DecodeRequest
+from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, QuotaExceeded, RateLimited, param_of
 from gateway.runtime import Alias, Runtime
-from gateway.schemas import ChatCompletionRequest, RoutingOverride
+from gateway.schemas import ChatCompletionRequest
 from gateway.settings import RoutingSettings
 from gateway.signals import Sampling
 from gateway.tenants import Tenant

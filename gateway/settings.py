@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -125,13 +126,11 @@ class StoreSettings(Strict):
     @field_validator("url")
     @classmethod
     def _redis_url(cls, url: str) -> str:
-        from urllib.parse import urlparse
-
         parsed = urlparse(url)
         if parsed.scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"not a Redis URL (scheme must be redis://, rediss:// or unix://): {url!r}")
         try:
-            parsed.port
+            _ = parsed.port  # urllib raises ValueError for a port that is not a number in range
         except ValueError as exc:
             raise ValueError(f"bad port in Redis URL {url!r}") from exc
         return url
