@@ -245,3 +245,10 @@ def test_concurrent_requests_do_not_disturb_each_other(gateway):
 
     together, alone = asyncio.run(both())
     assert together == alone
+
+
+def test_oversized_body_is_a_clear_400(gateway):
+    response = httpx.post(f"{gateway.base_url}/v1/chat/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {DEMO_KEY}"},
+                          json={"model": "routed", "messages": [{"role": "user", "content": "x" * 1_100_000}]})
+    assert response.status_code == 400 and "exceeds" in response.json()["error"]["message"]

@@ -1,0 +1,46 @@
+"""SSE framing when decoding fails after the stream started: one error event, no [DONE]."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from gateway.decoder import Piece
+from gateway.errors import GatewayError
+from gateway.routes import _stream
+from gateway.schemas import ChatCompletionRequest
+
+
+class BrokenDecoding:
+    """Yields one piece, then fails the way a crashed local model would."""
+
+    finish_reason = None
+
+    async def pieces(self):
+        yield Piece("Hello", (1,), "local", None)
+        raise RuntimeError("llama.cpp exploded")
+
+
+async def test_error_after_the_stream_started_is_one_error_event():
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+    tenant = SimpleNamespace(id="t", settings=SimpleNamespace(rate_limits=SimpleNamespace(max_parallel=None)))
+    admitted = SimpleNamespace(id="chatcmpl-x", created=0, body=body, tenant=tenant, decoding=BrokenDecoding())
+    events = [event["data"] async for event in _stream(SimpleNamespace(), admitted)]
+    assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+    error = json.loads(events[-1])
+    assert set(error) == {"error"} and error["error"]["type"] == "server_error"
+    assert "exploded" not in error["error"]["message"]  # internals stay in the log
+    assert "[DONE]" not in events
+
+
+async def test_gateway_error_mid_stream_keeps_its_status_type():
+    class Refusing(BrokenDecoding):
+        async def pieces(self):
+            yield Piece("Hi", (1,), "local", None)
+            raise GatewayError("the local model stopped")
+
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+    tenant = SimpleNamespace(id="t", settings=SimpleNamespace(rate_limits=SimpleNamespace(max_parallel=None)))
+    admitted = SimpleNamespace(id="chatcmpl-y", created=0, body=body, tenant=tenant, decoding=Refusing())
+    events = [event["data"] async for event in _stream(SimpleNamespace(), admitted)]
+    assert json.loads(events[-1])["error"]["message"] == "the local model stopped"
