@@ -7,20 +7,18 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pydantic import ValidationError
-
 from adapters.chat_template import TemplateError
 from adapters.local_model import QueueFull
 from adapters.store import StoreUnavailable
 from gateway.budget import HandoffGate
 from gateway.decoder import Decoding, DecodeRequest
-from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, QuotaExceeded, RateLimited, param_of
+from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, QuotaExceeded, RateLimited
 from gateway.runtime import Alias, Runtime
 from gateway.schemas import ChatCompletionRequest
-from gateway.settings import RoutingSettings
+from gateway.settings import RoutingOverride, RoutingSettings
 from gateway.signals import Sampling
 from gateway.tenants import Tenant
-from policies import build_policy
+from policies import THRESHOLD_POLICIES, build_policy
 
 log = logging.getLogger("gateway.chat")
 
@@ -37,27 +35,26 @@ class Admitted:
     decoding: Decoding
 
 
-def resolve_routing(alias: RoutingSettings, *overrides: dict | None) -> RoutingSettings:
+def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None) -> RoutingSettings:
     """The alias's routing with the tenant's and then the request's overrides applied.
 
-    A new policy that needs a threshold (or target) must bring one unless it is the alias's own
+    A policy that needs a threshold (or a target) must bring one unless it is the alias's own
     policy; errors name the field as `routing.<field>`.
     """
     merged = alias.model_dump()
     for override in overrides:
-        if not override:
+        if override is None:
             continue
-        if override.get("policy") not in (None, merged["policy"]):
+        changes = override.model_dump(exclude_none=True)
+        if changes.get("policy", merged["policy"]) != merged["policy"]:
             merged.update(threshold=None, target_fraction=None)
-        merged.update({k: v for k, v in override.items() if v is not None})
-    try:
-        return RoutingSettings(**merged)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        field = param_of(tuple(error["loc"])) or ("threshold" if "threshold" in error["msg"] else "policy")
-        if "target_fraction" in error["msg"]:
-            field = "target_fraction"
-        raise InvalidRequest(error["msg"].removeprefix("Value error, "), param=f"routing.{field}") from exc
+        merged.update(changes)
+    policy = merged["policy"]
+    if policy in THRESHOLD_POLICIES and merged["threshold"] is None:
+        raise InvalidRequest(f"routing policy '{policy}' needs a threshold", param="routing.threshold")
+    if policy == "target_fraction" and merged["target_fraction"] is None:
+        raise InvalidRequest("routing policy 'target_fraction' needs target_fraction", param="routing.target_fraction")
+    return RoutingSettings(**merged)
 
 
 def wire_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -75,8 +72,7 @@ async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -
     if max_tokens > runtime.settings.server.max_tokens_limit:
         raise InvalidRequest(f"max_tokens is capped at {runtime.settings.server.max_tokens_limit}",
                              param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
-    routing = resolve_routing(alias.settings.routing, tenant.settings.routing,
-                              body.routing.model_dump(exclude_none=True) if body.routing else None)
+    routing = resolve_routing(alias.settings.routing, tenant.settings.routing, body.routing)
     try:
         alias.local.check_admission()
     except QueueFull as exc:

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.errors import InvalidRequest
+from gateway.settings import RoutingOverride  # the `routing` extension: the same shape as a tenant's override
 
 
 class Wire(BaseModel):
@@ -32,23 +33,6 @@ class Message(Wire):
 class StreamOptions(Wire):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # the OpenAI SDK may send it; nothing to obfuscate here
-
-
-class RoutingOverride(Wire):
-    """The `routing` extension: per-request routing policy and caps."""
-
-    policy: Literal["never", "always", "entropy", "top1", "margin", "target_fraction"] | None = None
-    threshold: float | None = None
-    target_fraction: float | None = Field(None, gt=0, le=1)
-    max_upstream_tokens: int | None = Field(None, ge=0)
-    max_upstream_share: float | None = Field(None, ge=0, le=1)
-
-    @field_validator("threshold")
-    @classmethod
-    def _finite(cls, value: float | None) -> float | None:
-        if value is not None and not (-1e6 < value < 1e6):
-            raise ValueError("threshold must be a finite number")
-        return value
 
 
 class ResponseFormat(Wire):

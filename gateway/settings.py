@@ -86,9 +86,7 @@ class UpstreamSettings(Strict):
 
 
 class RoutingSettings(Strict):
-    policy: Literal["never", "always", "entropy", "top1", "margin", "target_fraction"] = Field(
-        "entropy", description="Routing policy (see README, 'Routing')."
-    )
+    policy: PolicyName = Field("entropy", description="Routing policy (see README, 'Routing').")
     threshold: float | None = Field(None, description="entropy: nats; top1: probability; margin: p1-p2.")
     target_fraction: float | None = Field(None, gt=0, le=1, description="Share of answer tokens to route upstream.")
     max_upstream_tokens: int | None = Field(None, ge=0, description="Cap on upstream answer tokens per request.")
@@ -103,6 +101,19 @@ class RoutingSettings(Strict):
         if self.policy == "target_fraction" and self.target_fraction is None:
             raise ValueError("policy 'target_fraction' needs target_fraction")
         return self
+
+
+PolicyName = Literal["never", "always", "entropy", "top1", "margin", "target_fraction"]
+
+
+class RoutingOverride(Strict):
+    """Routing fields a tenant's config or a request's `routing` object may override."""
+
+    policy: PolicyName | None = Field(None, description="Routing policy.")
+    threshold: float | None = Field(None, gt=-1e6, lt=1e6, description="The policy's threshold.")
+    target_fraction: float | None = Field(None, gt=0, le=1, description="Share for target_fraction.")
+    max_upstream_tokens: int | None = Field(None, ge=0, description="Cap on upstream answer tokens per request.")
+    max_upstream_share: float | None = Field(None, ge=0, le=1, description="Cap on the upstream share of the answer.")
 
 
 class AliasSettings(Strict):
@@ -156,7 +167,7 @@ class TenantSettings(Strict):
     daily: BudgetSettings = Field(default_factory=BudgetSettings, description="Budget per UTC day.")
     monthly: BudgetSettings = Field(default_factory=BudgetSettings, description="Budget per UTC month.")
     rate_limits: RateLimitSettings = Field(default_factory=RateLimitSettings, description="Rate limits.")
-    routing: dict[str, Any] | None = Field(None, description="Routing override applied to every request.")
+    routing: RoutingOverride | None = Field(None, description="Routing override applied to every request.")
     allow_upstream: bool = Field(True, description="False: data never leaves the box.")
     on_budget_exhausted: Literal["local", "refuse"] = Field(
         "local", description="local: keep answering from the local model; refuse: 429 insufficient_quota."

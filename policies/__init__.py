@@ -34,4 +34,4 @@ def build_policy(
     return Capped(inner, max_upstream_tokens, max_upstream_share, max_upstream_calls)
 
 
-__all__ = ["Policy", "Route", "RoutingState", "Signal", "build_policy", "POLICY_NAMES"]
+__all__ = ["Policy", "Route", "RoutingState", "Signal", "build_policy", "POLICY_NAMES", "THRESHOLD_POLICIES"]
