@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from llama_cpp import Llama
 
 from adapters.chat_template import ChatTemplate
-from adapters.local_model import LocalModel
+from adapters.local_model import LocalModel, system_info
 from adapters.model_files import resolve_model
 from adapters.redis_store import RedisStore
 from adapters.store import MemoryStore, Store
@@ -62,6 +62,9 @@ class Runtime:
         return runtime
 
     async def _load(self, settings: Settings) -> None:
+        if "AMX" in system_info():
+            log.warning("this llama.cpp build uses AMX kernels, which crash where the kernel does not grant "
+                        "AMX tiles; scripts/setup.sh builds without them")
         for name, local in settings.models.local.items():
             path = resolve_model(local.gguf)
             self.local_models[name] = await LocalModel.load(

@@ -87,12 +87,20 @@ class UpstreamSettings(Strict):
 
 class RoutingSettings(Strict):
     policy: PolicyName = Field("entropy", description="Routing policy (see README, 'Routing').")
-    threshold: float | None = Field(None, description="entropy: nats; top1: probability; margin: p1-p2.")
+    threshold: float | None = Field(
+        None, description="entropy: nats (default 2.0); top1: probability; margin: p1-p2 (no default).")
     target_fraction: float | None = Field(None, gt=0, le=1, description="Share of answer tokens to route upstream.")
     max_upstream_tokens: int | None = Field(None, ge=0, description="Cap on upstream answer tokens per request.")
     max_upstream_share: float | None = Field(None, ge=0, le=1, description="Cap on the upstream share of the answer.")
     span: int = Field(1, ge=1, le=64, description="Tokens the upstream writes per hand-off.")
     max_upstream_calls: int = Field(64, ge=0, description="Cap on upstream calls per request.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_entropy_threshold(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("policy", "entropy") == "entropy" and data.get("threshold") is None:
+            return {**data, "threshold": 2.0}
+        return data
 
     @model_validator(mode="after")
     def _threshold_given(self) -> "RoutingSettings":

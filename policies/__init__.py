@@ -8,7 +8,6 @@ from policies.target_fraction import TargetFraction
 from policies.thresholds import Always, EntropyAbove, MarginBelow, Never, Top1Below
 
 THRESHOLD_POLICIES = {"entropy": EntropyAbove, "top1": Top1Below, "margin": MarginBelow}
-POLICY_NAMES = ("never", "always", *THRESHOLD_POLICIES, "target_fraction")
 
 
 def build_policy(
@@ -34,4 +33,4 @@ def build_policy(
     return Capped(inner, max_upstream_tokens, max_upstream_share, max_upstream_calls)
 
 
-__all__ = ["Policy", "Route", "RoutingState", "Signal", "build_policy", "POLICY_NAMES", "THRESHOLD_POLICIES"]
+__all__ = ["Policy", "Route", "RoutingState", "Signal", "build_policy", "THRESHOLD_POLICIES"]

@@ -1,0 +1,76 @@
+"""The settings tree: config.yaml, environment overrides, one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.settings import SettingsError, load_settings
+from gateway.tenants import TenantDirectory, key_digest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_shipped_config_loads():
+    settings = load_settings(ROOT / "config.yaml")
+    assert set(settings.aliases) == {"smollm2-routed", "smollm2-local"}
+    assert settings.store.backend == "memory"
+
+
+def test_alias_without_routing_defaults_to_entropy_2():
+    settings = load_settings_text("models: {local: {a: {gguf: x}}}\naliases: {m: {local: a}}\n")
+    assert (settings.aliases["m"].routing.policy, settings.aliases["m"].routing.threshold) == ("entropy", 2.0)
+
+
+def load_settings_text(text: str):
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as handle:
+        handle.write(text)
+        handle.flush()
+        return load_settings(handle.name)
+
+
+def test_environment_overrides_nested_keys(monkeypatch):
+    monkeypatch.setenv("GATEWAY_SERVER__PORT", "9123")
+    monkeypatch.setenv("GATEWAY_STORE__BACKEND", "redis")
+    settings = load_settings(ROOT / "config.yaml")
+    assert settings.server.port == 9123 and settings.store.backend == "redis"
+    assert settings.aliases["smollm2-routed"].routing.policy == "entropy"  # the rest of the file stays
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("models: {local: {a: {gguf: x}}}\naliases: {m: {local: b}}\n", "aliases.m.local: no local model 'b'"),
+        ("models: {local: {a: {gguf: x}}}\naliases: {m: {local: a, routing: {policy: top1}}}\n", "needs a threshold"),
+        ("models: {local: {a: {gguf: x}}}\naliases: {}\nstore: {url: 'redis://h:99999'}\n", "store.url"),
+        ("- just\n- a list\n", "mapping at the top level"),
+    ],
+)
+def test_errors_are_one_line_naming_the_key(tmp_path, text, needle):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(path)
+    assert needle in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_tenant_keys_are_held_as_digests(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(f"""
+models: {{local: {{a: {{gguf: x}}}}}}
+aliases: {{m: {{local: a}}}}
+tenants:
+  - {{id: hashed, api_key_sha256: {key_digest("sk-one")}}}
+  - {{id: from-env, api_key_env: MY_KEY}}
+""")
+    settings = load_settings(path)
+    directory = TenantDirectory(settings.tenants, {"MY_KEY": "sk-two", "ADMIN": "sk-admin"}, "ADMIN")
+    assert directory.authenticate("sk-one").id == "hashed"
+    assert directory.authenticate("sk-two").id == "from-env"
+    assert directory.authenticate("sk-three") is None
+    assert directory.is_admin("sk-admin") and not directory.is_admin("sk-one")
+    with pytest.raises(SettingsError, match="MY_KEY is not set"):
+        TenantDirectory(settings.tenants, {}, "ADMIN")
