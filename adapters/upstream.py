@@ -47,10 +47,15 @@ class UpstreamUnavailable(Exception):
 
 @dataclass(frozen=True)
 class Handoff:
-    """One question to the upstream: continue `answer` after `messages`."""
+    """One question to the upstream: continue `answer` after `messages`.
 
+    `prefix` is the conversation as this upstream sees it (its own chat template in completions
+    mode), rendered once per request by `Upstream.handoff`.
+    """
+
+    prefix: str
     messages: list[dict[str, Any]]
-    answer: str
+    answer: str = ""
     continue_final: bool = False
 
 
@@ -99,12 +104,18 @@ class Upstream:
     def available(self) -> bool:
         return self._breaker.allows(time.monotonic())
 
-    def prompt_text(self, handoff: Handoff) -> str:
-        """The text the upstream is asked to continue (rendered prompt, or a stable serialisation)."""
+    def handoff(self, messages: list[dict[str, Any]], continue_final: bool = False) -> Handoff:
+        """A hand-off of an empty answer; the decoder replaces `answer` as the answer grows."""
         if self.settings.mode == "completions":
-            return self._template.render(handoff.messages, handoff.continue_final) + handoff.answer
-        parts = [f"{m['role']}\x1f{m['content']}" for m in handoff.messages]
-        return "\x1e".join(parts) + "\x1d" + handoff.answer
+            prefix = self._template.render(messages, continue_final)
+        else:  # a stable serialisation, for cache keys and token estimates
+            prefix = "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages) + "\x1d"
+        return Handoff(prefix, messages, "", continue_final)
+
+    @staticmethod
+    def prompt_text(handoff: Handoff) -> str:
+        """The text the upstream is asked to continue."""
+        return handoff.prefix + handoff.answer
 
     def cache_key(self, handoff: Handoff, max_tokens: int) -> str:
         digest = hashlib.sha256(self.prompt_text(handoff).encode("utf-8")).hexdigest()
@@ -169,12 +180,17 @@ class Upstream:
         messages, extra_body = self._chat_messages(handoff)
         return await litellm.acompletion(messages=messages, extra_body={**s.extra_body, **extra_body}, **common)
 
+    @staticmethod
+    def _split(handoff: Handoff) -> tuple[list[dict[str, Any]], str]:
+        """The messages before the assistant's turn, and the whole partial assistant text."""
+        messages = [dict(m) for m in handoff.messages]
+        if handoff.continue_final:  # the client's own partial assistant message comes first
+            return messages[:-1], messages[-1]["content"] + handoff.answer
+        return messages, handoff.answer
+
     def _chat_messages(self, handoff: Handoff) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The chat messages of a hand-off, and the extra body fields its mode needs."""
-        messages = [dict(m) for m in handoff.messages]
-        answer = handoff.answer
-        if handoff.continue_final:  # the client's own partial assistant message comes first
-            answer = messages.pop()["content"] + answer
+        messages, answer = self._split(handoff)
         if not answer:
             return messages, {}
         mode = self.settings.mode
@@ -190,7 +206,7 @@ class Upstream:
         choice = response.choices[0]
         text = choice.text if self.settings.mode == "completions" else (choice.message.content or "")
         if self.settings.mode == "chat_fallback":
-            text = strip_echo(handoff.answer, text)
+            text = strip_echo(self._split(handoff)[1], text)
         usage = getattr(response, "usage", None)
         prompt_tokens = getattr(usage, "prompt_tokens", None) or self.estimate_prompt_tokens(handoff)
         completion_tokens = getattr(usage, "completion_tokens", None)

@@ -11,6 +11,7 @@ one waits for its upstream. A failed or refused hand-off decodes the step locall
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ class Decoding:
         self.finish_reason: str | None = None
         self._rng = np.random.default_rng(request.seed)
         self._upstream_closed = upstream is None
+        self._handoff = upstream.handoff(request.messages, request.continue_final) if upstream else None
 
     def source_counts(self) -> dict[str, int]:
         return {name: self.sources.count(name) for name in (LOCAL, UPSTREAM, CACHE)}
@@ -164,7 +166,7 @@ class Decoding:
 
     async def _upstream_step(self, logits: np.ndarray, signal: Signal) -> Piece:
         span = max(1, min(self.request.span, self.limit - len(self.answer_tokens)))
-        handoff = Handoff(self.request.messages, self.text.text, self.request.continue_final)
+        handoff = dataclasses.replace(self._handoff, answer=self.text.text)
         got = await self._continuation(handoff, span)
         if got is None or (not got[0] and not got[1]):
             return self._local_step(logits, signal)

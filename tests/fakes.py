@@ -82,6 +82,9 @@ class FakeUpstream:
     available: bool = True
     calls: list[Handoff] = field(default_factory=list)
 
+    def handoff(self, messages: list[dict], continue_final: bool = False) -> Handoff:
+        return Handoff("", messages, "", continue_final)
+
     def cache_key(self, handoff: Handoff, max_tokens: int) -> str:
         return f"{handoff.answer}|{max_tokens}"
 

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
-from adapters.upstream import CircuitBreaker, Handoff, UpstreamUnavailable, strip_echo
+from adapters.upstream import CircuitBreaker, UpstreamUnavailable, strip_echo
 from gateway.runtime import make_upstream
 from gateway.settings import UpstreamSettings
 from tests.conftest import SMOL, free_port
 
-HANDOFF = Handoff(messages=[{"role": "user", "content": "What is the capital of France?"}], answer="The capital")
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def settings(api_base: str, **extra) -> UpstreamSettings:
@@ -25,11 +26,12 @@ def settings(api_base: str, **extra) -> UpstreamSettings:
 @pytest.mark.integration
 async def test_real_server_continues_and_bills(smol_upstream):
     upstream = make_upstream("up", settings(smol_upstream))
-    result = await upstream.continue_text(HANDOFF, max_tokens=3, temperature=0.0, top_p=1.0, seed=None)
+    handoff = dataclasses.replace(upstream.handoff(QUESTION), answer="The capital")
+    result = await upstream.continue_text(handoff, max_tokens=3, temperature=0.0, top_p=1.0, seed=None)
     assert result.text and not result.text.startswith("The capital")
     assert result.completion_tokens == 3
     # the estimate uses the upstream's own tokenizer, so it is what the server bills
-    assert result.prompt_tokens == upstream.estimate_prompt_tokens(HANDOFF) > 20
+    assert result.prompt_tokens == upstream.estimate_prompt_tokens(handoff) > 20
     assert result.cost_usd == pytest.approx((result.prompt_tokens * 2.0 + 3 * 6.0) / 1e6)
     assert result.latency_s > 0
 
@@ -37,12 +39,13 @@ async def test_real_server_continues_and_bills(smol_upstream):
 @pytest.mark.integration
 async def test_dead_upstream_fails_fast_and_opens_the_breaker():
     upstream = make_upstream("dead", settings(f"http://127.0.0.1:{free_port()}/v1"))
+    handoff = upstream.handoff(QUESTION)
     started = time.monotonic()
     with pytest.raises(UpstreamUnavailable):
-        await upstream.continue_text(HANDOFF, 1, 0.0, 1.0, None)  # two attempts: the breaker opens
+        await upstream.continue_text(handoff, 1, 0.0, 1.0, None)  # two attempts: the breaker opens
     assert not upstream.available
     with pytest.raises(UpstreamUnavailable, match="circuit breaker open"):
-        await upstream.continue_text(HANDOFF, 1, 0.0, 1.0, None)
+        await upstream.continue_text(handoff, 1, 0.0, 1.0, None)
     assert time.monotonic() - started < 5
     time.sleep(0.6)
     assert upstream.available  # one trial call is allowed after the cool-down
