@@ -32,7 +32,6 @@ def create_app(settings: Settings, start_runtime: RuntimeFactory = Runtime.start
         try:
             yield
         finally:
-            app.state.runtime.draining = True
             await app.state.runtime.close()
 
     app = FastAPI(title="routing-gateway", version="0.1.0", lifespan=lifespan)

@@ -8,7 +8,7 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette.sse import AppStatus, EventSourceResponse
 
 from gateway import observability
 from gateway.chat import Admitted, admit, leave
@@ -176,11 +176,13 @@ async def live():
 async def ready(request: Request):
     runtime = runtime_of(request)
     store_ok = await runtime.ledger.store.ping()
+    # sse-starlette flags uvicorn's SIGTERM (it drains streams on it); the lifespan then closes us.
+    draining = AppStatus.should_exit or runtime.closed
     body = {
-        "status": "draining" if runtime.draining else "ready",
+        "status": "draining" if draining else "ready",
         "store": "ok" if store_ok else "unavailable",
         "mode": "routing" if store_ok else "local_only",
         "unsettled_usage": runtime.ledger.unsettled,
         "queue_depth": {name: model.queue_depth for name, model in runtime.local_models.items()},
     }
-    return JSONResponse(body, status_code=503 if runtime.draining else 200)
+    return JSONResponse(body, status_code=503 if draining else 200)

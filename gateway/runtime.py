@@ -41,7 +41,6 @@ class Runtime:
     aliases: dict[str, Alias] = field(default_factory=dict)
     local_models: dict[str, LocalModel] = field(default_factory=dict)
     servers: list[UpstreamServer] = field(default_factory=list)
-    draining: bool = False
     closed: bool = False
 
     @classmethod

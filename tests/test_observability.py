@@ -42,7 +42,7 @@ def fake_app():
     async def start(_settings):
         async def close():
             pass
-        return SimpleNamespace(aliases={}, local_models={}, draining=False, close=close,
+        return SimpleNamespace(aliases={}, local_models={}, closed=False, close=close,
                                tenants=SimpleNamespace(authenticate=lambda _key: None))
 
     return create_app(Settings.model_validate(gateway_config(None)), start_runtime=start)
