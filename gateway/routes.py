@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -107,7 +108,8 @@ async def _stream(runtime: Runtime, admitted: Admitted):
         log.exception("error while streaming %s", admitted.id)
         yield sse_error_event(GatewayError("internal error while decoding; the gateway logged the details"))
     finally:
-        await leave(runtime, admitted.tenant, admitted.id)
+        # A client that left cancels this generator; the shield lets the slot's release finish.
+        await asyncio.shield(leave(runtime, admitted.tenant, admitted.id))
 
 
 def _event(body: dict) -> dict:

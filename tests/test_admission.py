@@ -13,7 +13,7 @@ from tests.conftest import DEMO_KEY, gateway_config, live_gateway
 pytestmark = pytest.mark.integration
 
 QUESTION = [{"role": "user", "content": "Tell me a long story about a dragon."}]
-KEYS = {"TEST_TPM_KEY": "sk-tpm", "TEST_NARROW_KEY": "sk-narrow"}
+KEYS = {"TEST_TPM_KEY": "sk-tpm", "TEST_NARROW_KEY": "sk-narrow", "TEST_SOLO_KEY": "sk-solo"}
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +24,7 @@ def gateway(smol_upstream, tmp_path_factory):
         {"id": "tpm", "api_key_env": "TEST_TPM_KEY", "rate_limits": {"tokens_per_minute": 120}},
         {"id": "narrow", "api_key_env": "TEST_NARROW_KEY", "aliases": ["local"],
          "routing": {"policy": "always", "max_upstream_share": 0.5}},
+        {"id": "solo", "api_key_env": "TEST_SOLO_KEY", "rate_limits": {"max_parallel": 1}},
     ]
     with live_gateway(config, tmp_path_factory.mktemp("admission"), env=KEYS) as running:
         yield running
@@ -74,3 +75,20 @@ def test_out_of_range_share_cap_is_400(gateway):
                           json={"model": "local", "messages": QUESTION, "max_tokens": 4,
                                 "routing": {"max_upstream_share": 2}})
     assert response.status_code == 400 and response.json()["error"]["param"] == "routing.max_upstream_share"
+
+
+def test_parallel_slot_is_released_when_a_client_leaves_mid_stream(gateway):
+    headers = {"Authorization": "Bearer sk-solo"}
+    body = {"model": "local", "messages": QUESTION, "max_tokens": 100, "stream": True}
+    with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", json=body, headers=headers,
+                      timeout=60) as response:
+        for line in response.iter_lines():
+            if '"content"' in line:
+                break  # leave mid-stream
+    for _ in range(50):  # the server notices the disconnect within a few decode steps
+        retry = httpx.post(f"{gateway.base_url}/v1/chat/completions", headers=headers, timeout=60,
+                           json={"model": "local", "messages": QUESTION, "max_tokens": 2})
+        if retry.status_code != 503:
+            break
+        threading.Event().wait(0.2)
+    assert retry.status_code == 200, retry.text
