@@ -82,7 +82,8 @@ return 1
 
 UNLIMITED = -1
 log = logging.getLogger("gateway.store")
-SKIP_AFTER_FAILURE_S = 1.0
+FAILURES_BEFORE_SKIP = 3  # one slow reply must not turn a whole burst of requests local-only
+SKIP_S = 1.0  # then calls fail at once for this long instead of each waiting for its time-out
 
 
 class RedisStore:
@@ -98,18 +99,27 @@ class RedisStore:
         self._cache_ttl_s = cache_ttl_s
         self._headroom_script = self._redis.register_script(HEADROOM_LUA)
         self._admit_script = self._redis.register_script(ADMIT_LUA)
-        self._down_until = 0.0
+        self._failures = 0  # consecutive
+        self._skip_until = 0.0
 
     async def _run(self, operation):
-        if time.monotonic() < self._down_until:
-            raise StoreUnavailable("Redis failed recently; retrying shortly")
+        """Await one Redis call; any failure becomes StoreUnavailable."""
+        if time.monotonic() < self._skip_until:
+            operation.close()  # never awaited: close it so Python does not warn
+            raise StoreUnavailable("Redis failed repeatedly; retrying shortly")
         try:
-            return await operation
+            result = await operation
         except (RedisError, OSError) as exc:
-            if self._down_until == 0.0 or time.monotonic() - self._down_until > 60:
-                log.warning("Redis unavailable (%s); serving local-only until it answers", type(exc).__name__)
-            self._down_until = time.monotonic() + SKIP_AFTER_FAILURE_S
+            self._failures += 1
+            if self._failures >= FAILURES_BEFORE_SKIP:
+                if self._failures == FAILURES_BEFORE_SKIP:
+                    log.warning("Redis unavailable (%s); serving local-only until it answers", type(exc).__name__)
+                self._skip_until = time.monotonic() + SKIP_S
             raise StoreUnavailable(f"Redis unavailable: {type(exc).__name__}: {exc}") from exc
+        if self._failures >= FAILURES_BEFORE_SKIP:
+            log.warning("Redis answers again")
+        self._failures = 0
+        return result
 
     def _window_keys(self, tenant: str, now: float) -> list[tuple[str, int]]:
         return [(f"{self._prefix}:win:{tenant}:{period}:{start}", ttl) for period, start, ttl in windows_of(now)]

@@ -24,7 +24,7 @@ BUDGET = 1500
 
 
 def redis_store(url: str) -> dict:
-    return {"backend": "redis", "url": url, "key_prefix": f"test-{uuid.uuid4().hex[:8]}", "timeout_s": 0.5}
+    return {"backend": "redis", "url": url, "key_prefix": f"test-{uuid.uuid4().hex[:8]}", "timeout_s": 1.0}
 
 
 @contextlib.contextmanager
