@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ class Alias:
     local: LocalModel
     upstream: Upstream | None
     settings: AliasSettings
+    # target_fraction's recent entropies per target, shared by the alias's requests
+    entropy_history: dict[float, deque[float]] = field(default_factory=dict)
 
 
 @dataclass

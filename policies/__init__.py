@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from policies.base import Policy, Route, RoutingState, Signal
 from policies.caps import Capped
 from policies.target_fraction import TargetFraction
@@ -17,8 +19,13 @@ def build_policy(
     max_upstream_tokens: int | None = None,
     max_upstream_share: float | None = None,
     max_upstream_calls: int | None = None,
+    history: deque[float] | None = None,
 ) -> Policy:
-    """A fresh policy for one request (policies may keep per-request state), wrapped in its caps."""
+    """A fresh policy for one request, wrapped in its caps.
+
+    `history` is target_fraction's window of recent entropies; pass the same deque to every
+    request of an alias so its threshold is calibrated on more than one short answer.
+    """
     inner: Policy
     if name == "never":
         inner = Never()
@@ -27,7 +34,7 @@ def build_policy(
     elif name in THRESHOLD_POLICIES:
         inner = THRESHOLD_POLICIES[name](threshold)
     elif name == "target_fraction":
-        inner = TargetFraction(target_fraction)
+        inner = TargetFraction(target_fraction) if history is None else TargetFraction(target_fraction, history=history)
     else:
         raise ValueError(f"unknown routing policy {name!r}")
     return Capped(inner, max_upstream_tokens, max_upstream_share, max_upstream_calls)

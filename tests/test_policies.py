@@ -73,3 +73,22 @@ def test_target_fraction_tracks_target_through_a_level_shift(target):
     # within each regime too, what it routes is more uncertain than what it keeps
     half_share, half_routed, half_kept = run_target(target, calm)
     assert abs(half_share - target) <= 0.03 and np.mean(half_routed) > np.mean(half_kept)
+
+
+@pytest.mark.parametrize("target", [0.1, 0.25])
+def test_target_fraction_holds_over_many_short_answers_with_a_shared_window(target):
+    """Short answers (CommonsenseQA-like, 6 tokens) each get a fresh policy but share the window."""
+    from collections import deque
+
+    rng = np.random.default_rng(3)
+    history: deque[float] = deque()
+    routed = total = 0
+    for _ in range(300):
+        policy = build_policy("target_fraction", target_fraction=target, history=history)
+        upstream = 0
+        for position, value in enumerate(rng.gamma(2.0, 0.6, size=6)):
+            state = RoutingState(answer_tokens=position, upstream_tokens=upstream)
+            if policy.decide(signal(entropy=float(value), position=position), state) is Route.UPSTREAM:
+                upstream += 1
+        routed, total = routed + upstream, total + 6
+    assert abs(routed / total - target) <= 0.03, routed / total
