@@ -1,0 +1,271 @@
+"""Command line: `python -m eval run|analyze|calibrate|report`. The only place that reads argv.
+
+    python -m eval run --dataset csqa --rows 0:200 --run-name ref --configs local upstream entropy@1.0 oracle
+    python -m eval analyze --dataset csqa --run-name ref
+    python -m eval calibrate --dataset csqa --run-name ref --fit-rows 200:300 --eval-rows 0:200 --share 0.1 0.3
+    python -m eval report --dataset csqa --run-name ref --rows 0:200 --plot docs/csqa.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from eval.datasets import DEFAULT_FILES, MAX_TOKENS, load_items, parse_rows
+
+LOCAL, UPSTREAM = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
+RUNS_DIR = Path(__file__).resolve().parent / "runs"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    try:
+        return args.command(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(required=True)
+
+    run = commands.add_parser("run", help="decode a dataset under several configs (resumable)")
+    _common(run)
+    run.add_argument("--configs", nargs="*", default=[], help="local, upstream, oracle, <policy>@<value>")
+    run.add_argument("--configs-from", type=Path, help="a `calibrate` snippet: run each of its routings")
+    run.add_argument("--configs-keys", nargs="*", help="only these entries of the --configs-from snippet")
+    run.add_argument("--upstream", default=UPSTREAM, help=f"upstream model (default {UPSTREAM})")
+    run.add_argument("--upstream-api-base", help="use this running /v1 completions server instead of launching one")
+    run.add_argument("--max-tokens", type=int, help=f"answer length limit (default {MAX_TOKENS})")
+    run.add_argument("--block", type=int, default=25, help="summary.json is rewritten every this many items")
+    run.add_argument("--n-ctx", type=int, default=2048)
+    run.add_argument("--input-usd-per-mtok", type=float, default=0.5, help="assumed upstream price (prompt)")
+    run.add_argument("--output-usd-per-mtok", type=float, default=1.5, help="assumed upstream price (completion)")
+    run.set_defaults(command=_run)
+
+    analyze = commands.add_parser("analyze", help="FS-GEN: teacher-force the local model on the upstream's answers")
+    _common(analyze)
+    analyze.add_argument("--n-ctx", type=int, default=1024)
+    analyze.set_defaults(command=_analyze)
+
+    calibrate = commands.add_parser("calibrate", help="thresholds for a target upstream share or token accuracy")
+    _where(calibrate)
+    calibrate.add_argument("--fit-rows", required=True, help="rows to fit on, e.g. 200:300")
+    calibrate.add_argument("--eval-rows", help="held-out rows to report on, e.g. 0:200")
+    calibrate.add_argument("--policies", nargs="+", default=["entropy", "top1", "margin"])
+    calibrate.add_argument("--share", nargs="*", type=float, default=[], help="target upstream shares")
+    calibrate.add_argument("--accuracy", nargs="*", type=float, default=[], help="target token accuracies")
+    calibrate.add_argument("--out", type=Path, help="snippet path (default <run>/calibrated_<dataset>.yaml)")
+    calibrate.set_defaults(command=_calibrate)
+
+    report = commands.add_parser("report", help="markdown table and plot from finished runs")
+    _where(report)
+    report.add_argument("--rows", help="only these dataset rows, e.g. 0:200")
+    report.add_argument("--data", type=Path, help="the dataset file the run used (default: ../shared/data)")
+    report.add_argument("--configs", nargs="*", default=[], help="only these configs (default all)")
+    report.add_argument("--all-items", action="store_true", help="do not restrict configs to their common items")
+    report.add_argument("--match-policy", default="entropy", help="query-level points match this policy's shares")
+    report.add_argument("--plot", type=Path, help="write the plot here (PNG)")
+    report.add_argument("--title", default=None)
+    report.set_defaults(command=_report)
+    return parser
+
+
+def _where(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", required=True, choices=[*DEFAULT_FILES, "humaneval"])
+    parser.add_argument("--run-name", required=True)
+    parser.add_argument("--runs-dir", type=Path, default=RUNS_DIR)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    _where(parser)
+    parser.add_argument("--data", type=Path, help="a JSONL of the same shape (default: ../shared/data)")
+    parser.add_argument("--rows", help="dataset rows, e.g. 0:200 (default all)")
+    parser.add_argument("--local", default=LOCAL, help=f"local model (default {LOCAL})")
+    parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads per model")
+
+
+# -- run --
+
+def _run(args: argparse.Namespace) -> int:
+    from eval.configs import configs_from_snippet, ordered, parse_config
+    from eval.records import append_invocation
+    from eval.runner import RunPlan, pending
+
+    specs = [parse_config(c) for c in args.configs]
+    if args.configs_from:
+        specs += configs_from_snippet(args.configs_from, args.configs_keys)
+    if not specs:
+        raise ValueError("no configs: give --configs and/or --configs-from")
+    items = load_items(args.dataset, args.data, args.rows)
+    run_dir = args.runs_dir / args.run_name
+    max_tokens = args.max_tokens or MAX_TOKENS[args.dataset]
+    plan = RunPlan(args.dataset, items, ordered(specs), run_dir, max_tokens, args.block)
+    todo = pending(plan)
+    total = sum(len(ids) for ids in todo.values())
+    print(f"{args.dataset}: {len(items)} items x {len(plan.configs)} configs, {total} to decode -> {run_dir}")
+    if total:
+        append_invocation(run_dir, _meta(args, plan))
+        summary = asyncio.run(_run_async(args, plan, total))
+        _print_summary(summary.get(args.dataset, {}), [s.name for s in plan.configs])
+    return 0
+
+
+async def _run_async(args: argparse.Namespace, plan: Any, total: int) -> dict[str, Any]:
+    from eval.runner import run
+    from eval.session import ModelOptions, open_models
+
+    _quiet_unclosed_sessions()
+    options = ModelOptions(args.local, args.upstream, args.n_ctx, args.threads, args.input_usd_per_mtok,
+                           args.output_usd_per_mtok, upstream_api_base=args.upstream_api_base)
+    models = await open_models(options, with_upstream=any(s.uses_upstream for s in plan.configs))
+    try:
+        with tqdm(total=total, unit="item", mininterval=2.0, dynamic_ncols=True) as bar:
+            def advance(name: str) -> None:
+                bar.set_postfix_str(name, refresh=False)
+                bar.update()
+            return await run(plan, models, advance)
+    finally:
+        models.close()
+
+
+def _quiet_unclosed_sessions() -> None:
+    """litellm leaves aiohttp sessions for the garbage collector; asyncio reports each as an error."""
+    loop = asyncio.get_running_loop()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if not str(context.get("message", "")).startswith("Unclosed"):
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
+def _meta(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
+    from adapters.model_files import CATALOG
+    from eval import datasets
+
+    def model(ref: str) -> dict[str, str]:
+        entry = CATALOG.get(ref)
+        return {"ref": ref, "file": entry.filename, "sha256": entry.sha256} if entry else {"ref": ref}
+
+    return {
+        "command": "python -m eval " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "python -m eval run",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dataset": args.dataset, "rows": args.rows,
+        "data": str(args.data or "default"), "configs": [s.name for s in plan.configs],
+        "local": model(args.local), "upstream": model(args.upstream), "threads": args.threads,
+        "n_ctx": args.n_ctx, "max_tokens": plan.max_tokens, "greedy": True,
+        "prices_usd_per_mtok": {"input": args.input_usd_per_mtok, "output": args.output_usd_per_mtok},
+        "instructions": {"csqa": datasets.CSQA_INSTRUCTION, "gsm8k": datasets.GSM8K_INSTRUCTION},
+        "host": {"machine": platform.machine(), "python": platform.python_version()},
+    }
+
+
+def _print_summary(summary: dict[str, Any], names: list[str]) -> None:
+    for name in names:
+        s = summary.get(name, {})
+        if s.get("n"):
+            print(f"  {name:28s} n={s['n']:4d} acc={s['accuracy']:.3f} share={s['upstream_share']:.3f} "
+                  f"calls/q={s['upstream_calls_per_item']:.1f} tok/s={s['tokens_per_s']:.1f}")
+
+
+# -- analyze --
+
+def _analyze(args: argparse.Namespace) -> int:
+    from adapters.model_files import resolve_model
+    from eval.analysis import TeacherForcer, summarize_analysis
+    from eval.records import append_record, read_records, records_path, write_json
+
+    run_dir = args.runs_dir / args.run_name
+    references = {r["id"]: r for r in read_records(records_path(run_dir, args.dataset, "upstream"))}
+    if not references:
+        raise ValueError(f"no upstream answers for {args.dataset} in {run_dir}: run the 'upstream' config first")
+    out = run_dir / "analysis" / f"{args.dataset}.jsonl"
+    done = {r["id"] for r in read_records(out)}
+    items = [i for i in load_items(args.dataset, args.data, args.rows) if i.id in references and i.id not in done]
+    if items:
+        forcer = TeacherForcer.load(resolve_model(args.local, fetch=True), args.n_ctx, args.threads)
+        try:
+            for item in tqdm(items, unit="item", mininterval=2.0):
+                append_record(out, forcer.analyze(item, references[item.id]["tokens"]))
+        finally:
+            forcer.close()
+    records = read_records(out)
+    if args.rows:
+        from eval.records import in_rows
+
+        records = in_rows(records, parse_rows(args.rows))
+    summary = summarize_analysis(records)
+    write_json(run_dir / "analysis" / f"{args.dataset}{'_' + args.rows.replace(':', '-') if args.rows else ''}.json",
+               summary)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+# -- calibrate --
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from eval.calibrate import calibrate, snippet
+    from eval.records import in_rows, read_records, write_json
+
+    run_dir = args.runs_dir / args.run_name
+    records = read_records(run_dir / "analysis" / f"{args.dataset}.jsonl")
+    fit = in_rows(records, parse_rows(args.fit_rows))
+    held_out = in_rows(records, parse_rows(args.eval_rows)) if args.eval_rows else []
+    if not fit:
+        raise ValueError(f"no analysed rows {args.fit_rows} for {args.dataset}: run `python -m eval analyze` first")
+    if not args.share and not args.accuracy:
+        raise ValueError("give --share and/or --accuracy targets")
+    found = calibrate(fit, held_out, args.policies, args.share, args.accuracy)
+    header = (f"python -m eval {shlex.join(sys.argv[1:])}\n"
+              f"fitted on {len(fit)} teacher-forced upstream answers (rows {args.fit_rows}); "
+              f"held out: {len(held_out)} (rows {args.eval_rows}).\n"
+              "Paste one `routing:` block under an alias in config.yaml; `eval run --configs-from` runs them all.")
+    out = args.out or run_dir / f"calibrated_{args.dataset}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(snippet(found, args.share, header))
+    write_json(out.with_suffix(".json"), [c.__dict__ for c in found])
+    print(f"| policy | target | threshold | fit share | fit token acc | held-out share | held-out token acc |")
+    print("|---|---|---|---|---|---|---|")
+    for c in found:
+        held = c.held_out or {}
+        print(f"| {c.policy} | {c.target} {c.goal:g} | {c.threshold:g} | {c.fit['upstream_share']:.3f} "
+              f"| {c.fit['token_accuracy']:.3f} | {held.get('upstream_share', float('nan')):.3f} "
+              f"| {held.get('token_accuracy', float('nan')):.3f} |")
+    print(f"snippet: {out}")
+    return 0
+
+
+# -- report --
+
+def _report(args: argparse.Namespace) -> int:
+    from eval.report import build_rows, load, markdown_table, plot
+
+    run_dir = args.runs_dir / args.run_name
+    items = load_items(args.dataset, args.data) if args.dataset in ("csqa", "gsm8k") else []
+    configs = load(run_dir, args.dataset, parse_rows(args.rows), args.configs, common=not args.all_items, items=items)
+    if not configs:
+        raise ValueError(f"no records for {args.dataset} in {run_dir}")
+    rows, points = build_rows(configs, args.match_policy)
+    print(markdown_table(rows), end="")
+    if args.plot:
+        n = max(r.summary["n"] for r in rows)
+        plot(rows, points, args.plot, args.title or f"{args.dataset}: {n} questions ({args.run_name})")
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

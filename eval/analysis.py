@@ -1,0 +1,115 @@
+"""FS-GEN analysis: where does the small model disagree with the large one?
+
+Take the upstream's greedy answer (the `upstream` config's recorded tokens) as the reference and
+teacher-force the local model on prompt + reference in one llama.cpp pass with logits for every
+position. At each answer position, the local greedy token either matches the reference token or
+not. We report the share of mismatches (CoF_lower: the least share of tokens a router would have
+to send upstream to reproduce the large model's answer), that share by position in the answer,
+and how well each uncertainty signal separates mismatches from matches (AUROC; 0.5 is chance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from llama_cpp import Llama
+
+from adapters.chat_template import ChatTemplate
+from eval.datasets import Item
+from gateway.signals import signal_of
+
+POSITION_BUCKETS = ((0, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 128), (128, 256), (256, 100_000))
+# Each signal oriented so that larger means "more likely a mismatch".
+SCORES = {"entropy": lambda s: s["entropy"], "1-top1": lambda s: 1.0 - s["top1"], "-margin": lambda s: -s["margin"]}
+
+
+@dataclass
+class TeacherForcer:
+    """The local model in its own llama.cpp context with logits for every position."""
+
+    llm: Llama
+    template: ChatTemplate
+
+    @classmethod
+    def load(cls, path: Path, n_ctx: int, threads: int) -> "TeacherForcer":
+        llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                    n_batch=min(512, n_ctx), logits_all=True, verbose=False)
+        return cls(llm, ChatTemplate.from_llama(llm))
+
+    def close(self) -> None:
+        self.llm.close()
+
+    def analyze(self, item: Item, reference: list[int]) -> dict[str, Any]:
+        """Per-position local greedy match and signals along `reference`, as one record
+        (`next`: the local greedy token after the whole reference)."""
+        prompt = self.llm.tokenize(self.template.render(item.messages).encode("utf-8"), add_bos=True, special=True)
+        tokens = prompt + list(reference)
+        if len(tokens) > self.llm.n_ctx():
+            raise ValueError(f"item {item.id}: {len(tokens)} tokens exceed the analysis context")
+        self.llm.reset()
+        self.llm.eval(tokens)
+        rows = self.llm.scores[len(prompt) - 1: len(tokens)]
+        mismatch, entropy, top1, margin = [], [], [], []
+        for position, (logits, token) in enumerate(zip(rows, reference)):
+            signal = signal_of(logits, position)
+            mismatch.append(int(int(np.argmax(logits)) != token))
+            entropy.append(round(signal.entropy, 4))
+            top1.append(round(signal.top1, 4))
+            margin.append(round(signal.margin, 4))
+        return {"id": item.id, "row": item.row, "n": len(reference), "next": int(np.argmax(rows[-1])),
+                "mismatch": "".join(map(str, mismatch)), "entropy": entropy, "top1": top1, "margin": margin}
+
+
+def steps(records: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Every answer position of every record, as {position, mismatch, entropy, top1, margin}."""
+    for record in records:
+        for i in range(record["n"]):
+            yield {"position": i, "mismatch": record["mismatch"][i] == "1", "entropy": record["entropy"][i],
+                   "top1": record["top1"][i], "margin": record["margin"][i]}
+
+
+def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:
+    """Area under the ROC curve of `scores` for positive `labels` (Mann-Whitney, ties averaged)."""
+    values = np.asarray(scores, dtype=float)
+    positive = np.asarray(labels, dtype=bool)
+    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(values, kind="mergesort")
+    ranks = np.empty(len(values))
+    sorted_values = values[order]
+    i = 0
+    while i < len(values):  # average ranks over runs of equal scores
+        j = i
+        while j + 1 < len(values) and sorted_values[j + 1] == sorted_values[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def summarize_analysis(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """CoF_lower overall and by position, and the AUROC of each signal for spotting a mismatch."""
+    all_steps = list(steps(records))
+    if not all_steps:
+        return {"items": len(records), "tokens": 0}
+    labels = [s["mismatch"] for s in all_steps]
+    by_position = {}
+    for low, high in POSITION_BUCKETS:
+        bucket = [s["mismatch"] for s in all_steps if low <= s["position"] < high]
+        if bucket:
+            by_position[f"{low}-{high - 1}"] = {"tokens": len(bucket), "mismatch_share": sum(bucket) / len(bucket)}
+    per_item = [r["mismatch"].count("1") / r["n"] for r in records if r["n"]]
+    return {
+        "items": len(records),
+        "tokens": len(all_steps),
+        "cof_lower": sum(labels) / len(labels),
+        "cof_lower_item_mean": float(np.mean(per_item)) if per_item else float("nan"),
+        "items_without_mismatch": sum(1 for r in records if "1" not in r["mismatch"]),
+        "by_position": by_position,
+        "auroc": {name: auroc([score(s) for s in all_steps], labels) for name, score in SCORES.items()},
+    }

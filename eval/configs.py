@@ -1,0 +1,94 @@
+"""Evaluation configurations, named as on the command line and in file names.
+
+    local                 local only (policy never)
+    upstream              upstream only: policy always with span = max_tokens, i.e. the large
+                          model asked once for the whole answer, billed as a client would be
+    oracle                route exactly the steps where the local greedy token differs from the
+                          upstream's (see eval/oracle.py)
+    entropy@T, top1@T, margin@T, target_fraction@F
+                          token-level routing with the gateway's own policies, span 1, no caps
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from policies import THRESHOLD_POLICIES, Policy, build_policy
+
+ROUTED = (*THRESHOLD_POLICIES, "target_fraction")
+
+
+@dataclass(frozen=True)
+class ConfigSpec:
+    """One configuration: `policy` is never/always/oracle or a routing policy with `value`."""
+
+    name: str
+    policy: str
+    value: float | None = None
+    # target_fraction's window of recent entropies, shared by all items of the config as the
+    # gateway shares it by all requests of an alias
+    history: deque[float] = field(default_factory=deque, compare=False, repr=False)
+
+    @property
+    def uses_upstream(self) -> bool:
+        return self.policy != "never"
+
+    @property
+    def family(self) -> str:
+        """What the report groups points by: local, upstream, oracle or the policy's name."""
+        return {"never": "local", "always": "upstream"}.get(self.policy, self.policy)
+
+    def span(self, max_tokens: int) -> int:
+        return max_tokens if self.policy == "always" else 1
+
+    def policy_object(self) -> Policy:
+        """A fresh policy for one item (the oracle is built per item by the runner instead)."""
+        if self.policy == "oracle":
+            raise ValueError("the oracle needs the item's reference; see eval.oracle")
+        if self.policy == "target_fraction":
+            return build_policy("target_fraction", target_fraction=self.value, history=self.history)
+        return build_policy(self.policy, threshold=self.value)
+
+
+def parse_config(text: str) -> ConfigSpec:
+    """'local' | 'upstream' | 'oracle' | '<policy>@<value>' -> ConfigSpec; ValueError otherwise."""
+    fixed = {"local": "never", "upstream": "always", "oracle": "oracle"}
+    if text in fixed:
+        return ConfigSpec(text, fixed[text])
+    policy, sep, value = text.partition("@")
+    if not sep or policy not in ROUTED:
+        raise ValueError(f"bad config {text!r}: use local, upstream, oracle or <{'|'.join(ROUTED)}>@<value>")
+    number = float(value)
+    if policy == "target_fraction" and not 0 < number <= 1:
+        raise ValueError(f"bad config {text!r}: a target fraction is in (0, 1]")
+    return ConfigSpec(text, policy, number)
+
+
+def configs_from_snippet(path: Path, keys: list[str] | None = None) -> list[ConfigSpec]:
+    """The routings of a `python -m eval calibrate` snippet (only `keys`, if given), as configs."""
+    entries = yaml.safe_load(Path(path).read_text())
+    missing = [key for key in keys or [] if key not in entries]
+    if missing:
+        raise ValueError(f"{path} has no entries {', '.join(missing)}; it has {', '.join(entries)}")
+    specs = []
+    for key, entry in entries.items():
+        if keys and key not in keys:
+            continue
+        routing = entry["routing"]
+        value = routing.get("threshold", routing.get("target_fraction"))
+        specs.append(parse_config(f"{routing['policy']}@{value}"))
+    return specs
+
+
+def ordered(specs: list[ConfigSpec]) -> list[ConfigSpec]:
+    """Unique configs, with `upstream` added before `oracle` (the oracle needs its answers)."""
+    seen: dict[str, ConfigSpec] = {}
+    for spec in specs:
+        if spec.policy == "oracle" and "upstream" not in seen:
+            seen["upstream"] = parse_config("upstream")
+        seen.setdefault(spec.name, spec)
+    return list(seen.values())

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Reproduces docs/results.md on the reference pair (Qwen2.5-Coder 0.5B local, 1.5B upstream).
+# Every step is resumable: rerun this script to continue where it stopped.
+#   nohup nice -n 15 bash eval/reference.sh > eval-reference.log 2>&1 &
+# Optional first argument: "csqa" or "gsm8k" to run only that dataset's steps.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+EVAL=".venv/bin/python -m eval"
+RUN=reference
+RUNS=eval/runs/$RUN
+ONLY=${1:-all}
+
+if [[ $ONLY == all || $ONLY == csqa ]]; then
+  # Upstream answers on all 300 dev rows: rows 200-299 are only for calibration.
+  $EVAL run --dataset csqa --rows 0:300 --run-name $RUN --configs upstream
+  $EVAL run --dataset csqa --rows 0:200 --run-name $RUN --configs local
+  $EVAL analyze --dataset csqa --run-name $RUN
+  $EVAL analyze --dataset csqa --run-name $RUN --rows 0:200
+  # Thresholds fitted on rows 200-299 (label-free: upstream share targets), reported on 0-199.
+  $EVAL calibrate --dataset csqa --run-name $RUN --fit-rows 200:300 --eval-rows 0:200 --share 0.1 0.25 0.5
+  # The calibrate protocol on exact halves (teacher-forced numbers only; no decoding).
+  $EVAL calibrate --dataset csqa --run-name $RUN --fit-rows 0:150 --eval-rows 150:300 \
+    --share 0.1 0.25 0.5 --accuracy 0.8 0.9 --out $RUNS/calibration_halves_csqa.yaml
+  $EVAL run --dataset csqa --rows 0:200 --run-name $RUN --configs oracle \
+    --configs-from $RUNS/calibrated_csqa.yaml --block 10
+fi
+
+if [[ $ONLY == all || $ONLY == gsm8k ]]; then
+  $EVAL run --dataset gsm8k --rows 0:100 --run-name $RUN --configs local upstream --block 10
+  $EVAL analyze --dataset gsm8k --run-name $RUN
+  # Calibrated on one half of rows 0-99, every config reported on the other half.
+  $EVAL calibrate --dataset gsm8k --run-name $RUN --fit-rows 50:100 --eval-rows 0:50 --share 0.1 0.25 0.5
+  $EVAL run --dataset gsm8k --rows 0:50 --run-name $RUN --configs oracle \
+    --configs-from $RUNS/calibrated_gsm8k.yaml --block 5
+  # One routed point on all 100 rows.
+  $EVAL run --dataset gsm8k --rows 0:100 --run-name $RUN \
+    --configs-from $RUNS/calibrated_gsm8k.yaml --configs-keys entropy-share-0.25 --block 5
+fi
+
+# Tables and plots (docs/results.md quotes them).
+$EVAL report --dataset csqa --run-name $RUN --rows 0:200 --plot docs/results_csqa.png
+$EVAL report --dataset gsm8k --run-name $RUN --rows 0:50 --plot docs/results_gsm8k.png || true

@@ -1,0 +1,78 @@
+"""The models of an evaluation: the local model in-process, the upstream as a real server process.
+
+The upstream is a `python -m llama_cpp.server` child on loopback, reached over HTTP through
+litellm exactly as the gateway reaches any upstream (completions mode, the upstream's own chat
+template). `repeat_penalty: 1.0` makes that server greedy at temperature 0 (its default of 1.1
+would not be).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from adapters.local_model import LocalModel
+from adapters.model_files import resolve_model
+from adapters.upstream import Upstream
+from adapters.upstream_server import UpstreamServer
+from gateway.runtime import make_upstream
+from gateway.settings import UpstreamSettings
+
+
+@dataclass
+class Models:
+    """What a run decodes with; `upstream` and `server` are None for local-only runs."""
+
+    local: LocalModel
+    upstream: Upstream | None
+    server: UpstreamServer | None
+    local_path: Path | None = None  # lets the oracle load a teacher-forcing context of the local model
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        self.local.close()
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    local: str  # catalog name or GGUF path
+    upstream: str
+    n_ctx: int = 2048
+    threads: int = 1
+    input_usd_per_mtok: float = 0.5
+    output_usd_per_mtok: float = 1.5
+    timeout_s: float = 300.0
+    upstream_api_base: str | None = None  # an already running completions server: launch none
+
+
+async def open_models(options: ModelOptions, with_upstream: bool) -> Models:
+    """Load the local model and, if asked, start and warm the upstream server (or use the given one)."""
+    local_path = resolve_model(options.local, fetch=True)
+    local = await LocalModel.load(local_path, options.n_ctx, options.threads, n_batch=256, queue_limit=4)
+    if not with_upstream:
+        return Models(local, None, None, local_path)
+    server = None
+    try:
+        gguf = resolve_model(options.upstream, fetch=True)  # its chat template renders the prompts
+        api_base = options.upstream_api_base
+        if api_base is None:
+            server = UpstreamServer(gguf, 0, options.threads, options.n_ctx, "eval-upstream")
+            await server.wait_ready(timeout_s=300.0)
+            api_base = server.api_base
+        upstream = make_upstream("eval-upstream", upstream_settings(options, api_base, str(gguf)))
+        return Models(local, upstream, server, local_path)
+    except BaseException:
+        if server is not None:
+            server.stop()
+        local.close()
+        raise
+
+
+def upstream_settings(options: ModelOptions, api_base: str, template_gguf: str) -> UpstreamSettings:
+    """Completions mode on the upstream's own template; greedy; the assumed prices."""
+    return UpstreamSettings(
+        model="text-completion-openai/eval-upstream", api_base=api_base, mode="completions",
+        template_gguf=template_gguf, extra_body={"repeat_penalty": 1.0}, timeout_s=options.timeout_s,
+        retries=1, input_usd_per_mtok=options.input_usd_per_mtok, output_usd_per_mtok=options.output_usd_per_mtok,
+    )

@@ -1,0 +1,60 @@
+"""Per-config metrics from per-item records: accuracy with a bootstrap interval, tokens, cost, speed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+RESAMPLES = 2000
+
+
+def bootstrap_ci(values: Sequence[float], resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap 95% interval of the mean (items resampled with replacement)."""
+    data = np.asarray(values, dtype=float)
+    if data.size == 0:
+        return (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    means = data[rng.integers(0, data.size, size=(resamples, data.size))].mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def upstream_written(record: dict[str, Any]) -> int:
+    """Answer tokens the upstream wrote (a cache hit replays an upstream continuation)."""
+    return record["upstream_tokens"] + record["cache_tokens"]
+
+
+def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The summary of one config over `records` (one per item)."""
+    n = len(records)
+    if n == 0:
+        return {"n": 0}
+    correct = [1.0 if r["correct"] else 0.0 for r in records]
+    low, high = bootstrap_ci(correct)
+    tokens = sum(r["answer_tokens"] for r in records)
+    upstream = sum(upstream_written(r) for r in records)
+    prompt_billed = sum(r["upstream_prompt_tokens"] for r in records)
+    completion_billed = sum(r["upstream_completion_tokens"] for r in records)
+    wall = sum(r["wall_s"] for r in records)
+    return {
+        "n": n,
+        "accuracy": sum(correct) / n,
+        "ci95": [low, high],
+        "answer_tokens": tokens,
+        "upstream_tokens": upstream,
+        "upstream_share": upstream / tokens if tokens else 0.0,
+        "first_token_upstream": sum(1 for r in records if r["sources"][:1] in ("U", "C")) / n,
+        "upstream_calls": sum(r["upstream_calls"] for r in records),
+        "upstream_calls_per_item": sum(r["upstream_calls"] for r in records) / n,
+        "billed_prompt_tokens": prompt_billed,
+        "billed_completion_tokens": completion_billed,
+        "billed_tokens_per_item": (prompt_billed + completion_billed) / n,
+        "cost_usd": sum(r["upstream_cost_usd"] for r in records),
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "finished_by_length": sum(1 for r in records if r["finish_reason"] == "length"),
+        "degraded_items": sum(1 for r in records if r["degraded"]),
+        "no_answer_extracted": sum(1 for r in records if r["rule"] == "none"),
+    }

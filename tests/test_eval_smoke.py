@@ -1,0 +1,117 @@
+"""The evaluation harness end to end on SmolLM2 (local and upstream), so it cannot rot.
+
+A handful of CommonsenseQA rows through the real decoder and a real upstream server process;
+then the FS-GEN analysis, calibration, the report table and plot. The first tests are pure
+(answer extraction, statistics) and need no model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from adapters.local_model import LocalModel
+from eval.analysis import TeacherForcer, auroc, summarize_analysis
+from eval.answers import extract_choice, extract_number
+from eval.calibrate import calibrate, evaluate_threshold, threshold_for_share
+from eval.configs import ordered, parse_config
+from eval.datasets import load_items
+from eval.records import read_records, records_path
+from eval.report import build_rows, load, markdown_table, plot
+from eval.runner import RunPlan, run
+from eval.session import ModelOptions, Models, upstream_settings
+from eval.summary import bootstrap_ci
+from gateway.runtime import make_upstream
+
+CHOICES = {"A": "bank", "B": "library", "C": "department store", "D": "mall", "E": "new york"}
+
+
+@pytest.mark.parametrize("text, letter", [
+    ("B. library", "B"), ("(C) department store", "C"), ("**D**", "D"), ("Answer: E", "E"),
+    ("I think the answer is (A).", "A"), ("A. library", None), ("A bank keeps money safe.", "A"),
+    ("Nothing fits.", None),
+])
+def test_csqa_extraction(text, letter):
+    assert extract_choice(text, CHOICES)[0] == letter
+
+
+@pytest.mark.parametrize("text, number", [
+    ("3 + 4 = 7\nAnswer: 7", 7.0), ("The answer is $1,234.50.", 1234.5), ("#### 72", 72.0),
+    ("so she pays 5 and then 12", 12.0), ("no idea", None),
+])
+def test_gsm8k_extraction(text, number):
+    assert extract_number(text)[0] == number
+
+
+def test_statistics():
+    assert auroc([0.1, 0.2, 0.8, 0.9], [False, False, True, True]) == 1.0
+    assert auroc([1, 1, 1, 1], [False, True, False, True]) == 0.5
+    low, high = bootstrap_ci([1.0] * 30 + [0.0] * 70)
+    assert low < 0.3 < high and 0.0 <= low and high <= 1.0
+
+
+def test_config_names():
+    assert parse_config("entropy@1.5").policy == "entropy"
+    assert [s.name for s in ordered([parse_config("oracle"), parse_config("local")])] == ["upstream", "oracle", "local"]
+    with pytest.raises(ValueError):
+        parse_config("entropy")
+
+
+@pytest.fixture
+async def smol_models(smol_path, smol_upstream):
+    local = await LocalModel.load(smol_path, n_ctx=2048, n_threads=1, n_batch=256, queue_limit=4)
+    options = ModelOptions(str(smol_path), str(smol_path), timeout_s=30.0)
+    upstream = make_upstream("eval-upstream", upstream_settings(options, smol_upstream, str(smol_path)))
+    yield Models(local, upstream, None, smol_path)
+    local.close()
+
+
+@pytest.mark.integration
+async def test_harness_end_to_end(smol_models, smol_path, tmp_path):
+    items = load_items("csqa", rows="0:4")
+    configs = ordered([parse_config(c) for c in ("local", "upstream", "entropy@1.0", "oracle")])
+    plan = RunPlan("csqa", items, configs, tmp_path, max_tokens=16, block=2)
+    decoded: list[str] = []
+    summary = (await run(plan, smol_models, decoded.append))["csqa"]
+
+    assert len(decoded) == len(items) * len(configs)
+    for spec in configs:
+        lines = records_path(tmp_path, "csqa", spec.name).read_text().splitlines()
+        assert sorted(json.loads(line)["id"] for line in lines) == sorted(item.id for item in items)
+        assert 0.0 <= summary[spec.name]["accuracy"] <= 1.0
+    assert summary["local"]["upstream_share"] == 0.0 and summary["local"]["upstream_calls"] == 0
+    assert summary["upstream"]["upstream_share"] == 1.0
+    assert summary["upstream"]["upstream_calls_per_item"] >= 1.0
+    assert summary["upstream"]["billed_prompt_tokens"] > 0
+    for record in read_records(records_path(tmp_path, "csqa", "oracle")):
+        assert record["oracle"]["gave_up_at"] is None
+        if record["oracle"]["reanchors"] == 0:  # routed exactly where the local token was wrong
+            assert record["sources"].count("U") <= record["oracle"]["mismatches"]
+
+    # resuming does not redo items: only the new config decodes
+    resumed = RunPlan("csqa", items, [*configs, parse_config("top1@0.5")], tmp_path, max_tokens=16, block=2)
+    decoded.clear()
+    await run(resumed, smol_models, decoded.append)
+    assert decoded == ["top1@0.5"] * len(items)
+    assert len(records_path(tmp_path, "csqa", "local").read_text().splitlines()) == len(items)
+
+    # FS-GEN analysis and calibration on the upstream's answers
+    forcer = TeacherForcer.load(smol_path, n_ctx=1024, threads=1)
+    references = {r["id"]: r for r in read_records(records_path(tmp_path, "csqa", "upstream"))}
+    analysed = [forcer.analyze(item, references[item.id]["tokens"]) for item in items]
+    forcer.close()
+    fs_gen = summarize_analysis(analysed)
+    assert fs_gen["tokens"] == sum(len(r["tokens"]) for r in references.values())
+    assert 0.0 <= fs_gen["cof_lower"] <= 1.0
+    threshold = threshold_for_share(analysed[:2], "entropy", 0.5)
+    assert 0.0 <= evaluate_threshold(analysed[2:], "entropy", threshold)["upstream_share"] <= 1.0
+    assert len(calibrate(analysed[:2], analysed[2:], ["entropy", "top1"], shares=[0.5], accuracies=[0.9])) == 4
+
+    # the report: a table row per config (plus query-level points) and a plot
+    rows, points = build_rows(load(tmp_path, "csqa", slice(None), items=items))
+    table = markdown_table(rows)
+    assert all(f"| {spec.name} |" in table for spec in configs) and "query-level" in table
+    assert len(points) == len(items) + 1
+    plot(rows, points, tmp_path / "plot.png", "smoke")
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
