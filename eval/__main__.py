@@ -237,7 +237,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(snippet(found, args.share, header))
     write_json(out.with_suffix(".json"), [c.__dict__ for c in found])
-    print(f"| policy | target | threshold | fit share | fit token acc | held-out share | held-out token acc |")
+    print("| policy | target | threshold | fit share | fit token acc | held-out share | held-out token acc |")
     print("|---|---|---|---|---|---|---|")
     for c in found:
         held = c.held_out or {}

@@ -154,11 +154,11 @@ async def test_upstream_killed_mid_answer_completes_locally(local, smol_path):
         pieces = decoding.pieces()
         for _ in range(3):
             await anext(pieces)
-        server_process_kill = base  # the context manager below stops the process
+    # leaving the block above stopped the upstream server mid-answer
     started = time.monotonic()
     rest = [piece async for piece in pieces]
     elapsed = time.monotonic() - started
-    assert server_process_kill and rest
+    assert rest
     counts = decoding.source_counts()
     assert counts["upstream"] >= 3 and counts["local"] > 0
     assert "upstream_unavailable" in decoding.usage.degraded
