@@ -66,9 +66,9 @@ def datasets_in(run_dir: Path) -> list[str]:
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (a reader never sees half a file)."""
+    """Write JSON atomically (a reader never sees half a file), safe for concurrent writers."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     os.replace(partial, path)
 
