@@ -38,8 +38,6 @@ if [[ $ONLY == all || $ONLY == gsm8k ]]; then
   (
     $EVAL run --dataset gsm8k --rows 0:50 --run-name $RUN --configs oracle --configs-from $SNIPPET \
       --configs-keys entropy-share-0.05 entropy-share-0.1 entropy-share-0.2 margin-share-0.2 --block 5
-    $EVAL run --dataset gsm8k --rows 0:50 --run-name $RUN --configs-from $SNIPPET \
-      --configs-keys target_fraction-share-0.1 target_fraction-share-0.05 target_fraction-share-0.2 --block 5
   ) &
   (
     $EVAL run --dataset gsm8k --rows 0:50 --run-name $RUN --configs-from $SNIPPET \
@@ -48,6 +46,12 @@ if [[ $ONLY == all || $ONLY == gsm8k ]]; then
     $EVAL run --dataset gsm8k --rows 50:100 --run-name $RUN --configs-from $SNIPPET \
       --configs-keys top1-share-0.05 --block 5
   ) &
+  wait
+  # target_fraction: the two lanes split the rows (appends of whole lines; the last record per id wins).
+  for rows in 0:25 25:50; do
+    $EVAL run --dataset gsm8k --rows $rows --run-name $RUN --configs-from $SNIPPET --block 5 \
+      --configs-keys target_fraction-share-0.05 target_fraction-share-0.1 target_fraction-share-0.2 &
+  done
   wait
 fi
 
