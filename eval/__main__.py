@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--configs", nargs="*", default=[], help="only these configs (default all)")
     report.add_argument("--all-items", action="store_true", help="do not restrict configs to their common items")
     report.add_argument("--match-policy", default="entropy", help="query-level points match this policy's shares")
+    report.add_argument("--paired", action="store_true",
+                        help="also a table of each config against local only on the same questions")
     report.add_argument("--plot", type=Path, help="write the plot here (PNG)")
     report.add_argument("--title", default=None)
     report.set_defaults(command=_report)
@@ -251,7 +253,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 # -- report --
 
 def _report(args: argparse.Namespace) -> int:
-    from eval.report import build_rows, load, markdown_table, plot
+    from eval.report import build_rows, load, markdown_table, paired_table, plot
 
     run_dir = args.runs_dir / args.run_name
     items = load_items(args.dataset, args.data) if args.dataset in ("csqa", "gsm8k") else []
@@ -260,6 +262,8 @@ def _report(args: argparse.Namespace) -> int:
         raise ValueError(f"no records for {args.dataset} in {run_dir}")
     rows, points = build_rows(configs, args.match_policy)
     print(markdown_table(rows), end="")
+    if args.paired:
+        print("\n" + paired_table(configs), end="")
     if args.plot:
         n = max(r.summary["n"] for r in rows)
         plot(rows, points, args.plot, args.title or f"{args.dataset}: {n} questions ({args.run_name})")

@@ -96,6 +96,27 @@ def markdown_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired_table(configs: dict[str, tuple[ConfigSpec, list[dict[str, Any]]]], base: str = "local",
+                 reference: str = "upstream") -> str:
+    """Per config, against `base` on the same questions: questions it gets right that `base` gets
+    wrong and the reverse, answers that end on the same extracted value as `reference`'s, and
+    answers cut at the token limit. Empty without both `base` and `reference`."""
+    if base not in configs or reference not in configs:
+        return ""
+    base_by_id = {r["id"]: r for r in configs[base][1]}
+    ref_by_id = {r["id"]: r for r in configs[reference][1]}
+    lines = [f"| config | n | right where {base} is wrong | wrong where {base} is right "
+             f"| same answer as {reference} | cut at the token limit |", "|" + "---|" * 6]
+    for name, (_, records) in configs.items():
+        shared = [r for r in records if r["id"] in base_by_id and r["id"] in ref_by_id]
+        gained = sum(1 for r in shared if r["correct"] and not base_by_id[r["id"]]["correct"])
+        lost = sum(1 for r in shared if not r["correct"] and base_by_id[r["id"]]["correct"])
+        same = sum(1 for r in shared if r["pred"] is not None and r["pred"] == ref_by_id[r["id"]]["pred"])
+        cut = sum(1 for r in shared if r["finish_reason"] == "length")
+        lines.append(f"| {name} | {len(shared)} | {gained} | {lost} | {same} | {cut} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: Sequence[Row], points: Sequence[querylevel.QueryPoint], path: Path, title: str) -> None:
     """Accuracy against the upstream's share of answer tokens (left) and against billed upstream
     tokens per question (right): a curve per policy, baselines, oracle and query-level as points."""

@@ -18,7 +18,7 @@ from eval.calibrate import calibrate, evaluate_threshold, threshold_for_share
 from eval.configs import ordered, parse_config
 from eval.datasets import load_items
 from eval.records import read_records, records_path
-from eval.report import build_rows, load, markdown_table, plot
+from eval.report import build_rows, load, markdown_table, paired_table, plot
 from eval.runner import RunPlan, run
 from eval.session import ModelOptions, Models, upstream_settings
 from eval.summary import bootstrap_ci
@@ -56,6 +56,23 @@ def test_config_names():
     assert [s.name for s in ordered([parse_config("oracle"), parse_config("local")])] == ["upstream", "oracle", "local"]
     with pytest.raises(ValueError):
         parse_config("entropy")
+
+
+def test_paired_table_counts_against_local_and_upstream():
+    def record(id_, correct, pred, finish="stop"):
+        return {"id": id_, "correct": correct, "pred": pred, "finish_reason": finish}
+
+    configs = {
+        "local": (parse_config("local"), [record("a", False, 1), record("b", True, 2), record("c", False, 3)]),
+        "upstream": (parse_config("upstream"), [record("a", True, 7), record("b", True, 2), record("c", False, 9)]),
+        "top1@0.5": (parse_config("top1@0.5"), [record("a", True, 7), record("b", False, 5, "length"),
+                                                record("c", False, None)]),
+    }
+    lines = paired_table(configs).splitlines()
+    assert "| top1@0.5 | 3 | 1 | 1 | 1 | 1 |" in lines
+    assert "| local | 3 | 0 | 0 | 1 | 0 |" in lines
+    assert "| upstream | 3 | 1 | 0 | 3 | 0 |" in lines
+    assert paired_table({"local": configs["local"]}) == ""
 
 
 @pytest.fixture
