@@ -57,4 +57,5 @@ fi
 
 # Tables and plots (docs/results.md quotes them).
 $EVAL report --dataset csqa --run-name $RUN --rows 0:200 --plot docs/results_csqa.png
-$EVAL report --dataset gsm8k --run-name $RUN --rows 0:50 --plot docs/results_gsm8k.png
+$EVAL report --dataset gsm8k --run-name $RUN --rows 0:50 --paired --plot docs/results_gsm8k.png
+$EVAL report --dataset gsm8k --run-name $RUN --rows 0:100 --configs local upstream top1@0.5186
