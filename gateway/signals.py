@@ -41,8 +41,9 @@ def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> 
     """Greedy argmax at temperature 0; otherwise temperature, then nucleus (top_p) sampling."""
     if sampling.greedy:
         return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / sampling.temperature
-    probs = np.exp(scaled - scaled.max())
+    # shift before dividing: a tiny temperature then sends the others to -inf, not inf - inf = nan
+    shifted = logits.astype(np.float64) - float(logits.max())
+    probs = np.exp(shifted / sampling.temperature)
     probs /= probs.sum()
     if sampling.top_p < 1.0:
         order = np.argsort(-probs)

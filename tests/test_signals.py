@@ -44,3 +44,10 @@ def test_greedy_is_argmax_and_sampling_is_seeded():
     assert draws == again
     assert set(draws) == {1, 2}  # top_p 0.9 keeps only the two likely tokens
     assert np.isclose(np.exp(log_softmax(logits)).sum(), 1.0)
+
+
+def test_a_subnormal_temperature_samples_the_argmax():
+    """Found by the fuzz test: temperature 2.2e-311 made logits / t overflow to inf - inf = nan."""
+    logits = np.array([0.1, 3.0, 2.9, -1.0], dtype=np.float32)
+    for top_p in (1.0, 0.5):
+        assert sample(logits, Sampling(2.225073858507e-311, top_p), np.random.default_rng(0)) == 1
