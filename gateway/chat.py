@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass
 
 from adapters.chat_template import TemplateError
@@ -98,9 +97,8 @@ async def leave(runtime: Runtime, tenant: Tenant, request_id: str) -> None:
 
 def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, routing: RoutingSettings,
               max_tokens: int) -> Decoding:
-    history = alias.entropy_history.setdefault(routing.target_fraction, deque()) if routing.target_fraction else None
     policy = build_policy(routing.policy, routing.threshold, routing.target_fraction, routing.max_upstream_tokens,
-                          routing.max_upstream_share, routing.max_upstream_calls, history=history)
+                          routing.max_upstream_share, routing.max_upstream_calls, history=alias.entropy_history)
     request = DecodeRequest(
         messages=wire_messages(body), max_tokens=max_tokens, policy=policy,
         sampling=Sampling(body.temperature, body.top_p), seed=body.seed, stop=tuple(body.stop or ()),

@@ -32,8 +32,9 @@ class Alias:
     local: LocalModel
     upstream: Upstream | None
     settings: AliasSettings
-    # target_fraction's recent entropies per target, shared by the alias's requests
-    entropy_history: dict[float, deque[float]] = field(default_factory=dict)
+    # target_fraction's window of recent entropies, shared by the alias's requests whatever their
+    # target (the entropies do not depend on it), so a request's override adds no state
+    entropy_history: deque[float] = field(default_factory=deque)
 
 
 @dataclass

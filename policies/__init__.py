@@ -34,7 +34,7 @@ def build_policy(
     elif name in THRESHOLD_POLICIES:
         inner = THRESHOLD_POLICIES[name](threshold)
     elif name == "target_fraction":
-        inner = TargetFraction(target_fraction) if history is None else TargetFraction(target_fraction, history=history)
+        inner = TargetFraction(target_fraction, history=deque() if history is None else history)
     else:
         raise ValueError(f"unknown routing policy {name!r}")
     return Capped(inner, max_upstream_tokens, max_upstream_share, max_upstream_calls)
