@@ -1,24 +1,35 @@
 """RedisStore: the Store seam over Redis, shared by every gateway process and replica.
 
-Keys (all under one prefix, all with TTLs so nothing needs sweeping):
+Keys (all under one prefix, all with TTLs so nothing needs sweeping; TTLs are relative, so a
+caller's clock that differs from Redis's never expires a key early):
   {p}:win:{tenant}:{period}:{start}   hash: prompt_tokens, completion_tokens, cost_micro, requests
   {p}:held:{tenant}                   zset of live reservations "id|tokens|cost_micro", score = expiry
   {p}:rate:{tenant}:{minute}          hash: requests, tokens admitted in one minute
   {p}:par:{tenant}                    zset of requests in flight, score = expiry
-  {p}:cache:{key}                     cached upstream continuations
+  {p}:settled:{reservation id}        marks a settled reservation, so a retried settle bills nothing
+  {p}:cache:{key}                     cached upstream continuations, indexed by write time in
+  {p}:cache-index                     zset of cache keys; the oldest go past `cache_max_entries`
 Reservations are taken by a Lua script, so concurrent requests in any number of processes cannot
-together pass a limit. Each call has a time-out; after a failure the store reports itself
-unavailable for a second instead of costing a time-out on every call.
+together pass a limit; settlement is another script, exactly-once per reservation id.
+
+Calls run on a small thread pool with blocking sockets, so a time-out measures Redis (and the
+network), not the event loop: a busy loop that reads a reply late must not make the store look
+down. After three failures in a row the store reports itself unavailable for a second instead of
+costing a time-out on every call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
-import redis.asyncio as redis
-from redis.asyncio.retry import Retry
+import redis
 from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis.exceptions import RedisError
 
 from adapters.store import (
@@ -55,7 +66,7 @@ if ARGV[10] == '1' then
     return {0, room_tok or 0, room_cost or 0}
   end
   redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
-  redis.call('PEXPIREAT', KEYS[1], math.floor(tonumber(ARGV[2]) * 1000) + 1000)
+  redis.call('PEXPIRE', KEYS[1], math.floor((tonumber(ARGV[2]) - tonumber(ARGV[1])) * 1000) + 1000)
 end
 return {1, room_tok or 0, room_cost or 0}
 """
@@ -72,7 +83,7 @@ if parallel >= 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])
   if redis.call('ZCARD', KEYS[2]) >= parallel then return -1 end
   redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
-  redis.call('PEXPIREAT', KEYS[2], math.floor(tonumber(ARGV[2]) * 1000))
+  redis.call('PEXPIRE', KEYS[2], math.floor((tonumber(ARGV[2]) - tonumber(ARGV[1])) * 1000))
 end
 redis.call('HINCRBY', KEYS[1], 'requests', 1)
 redis.call('HINCRBY', KEYS[1], 'tokens', asked)
@@ -80,7 +91,37 @@ redis.call('EXPIRE', KEYS[1], 120)
 return 1
 """
 
+# Exactly-once settlement. KEYS: settled marker, held zset, day hash, month hash. ARGV: member,
+# prompt tokens, completion tokens, cost, day ttl, month ttl, marker ttl. Returns 1 if it billed.
+SETTLE_LUA = """
+redis.call('ZREM', KEYS[2], ARGV[1])
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[7]) then return 0 end
+for i = 3, 4 do
+  redis.call('HINCRBY', KEYS[i], 'prompt_tokens', ARGV[2])
+  redis.call('HINCRBY', KEYS[i], 'completion_tokens', ARGV[3])
+  redis.call('HINCRBY', KEYS[i], 'cost_micro', ARGV[4])
+  redis.call('EXPIRE', KEYS[i], ARGV[i + 2])
+end
+return 1
+"""
+
+# Bounded cache write. KEYS: entry, index zset. ARGV: value, ttl s, now, max entries.
+CACHE_PUT_LUA = """
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], KEYS[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', tonumber(ARGV[3]) - tonumber(ARGV[2]))
+local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
+if extra > 0 then
+  local popped = redis.call('ZPOPMIN', KEYS[2], extra)
+  for i = 1, #popped, 2 do redis.call('DEL', popped[i]) end
+end
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
+
 UNLIMITED = -1
+SETTLED_MEMORY_S = 2 * 86_400
+T = TypeVar("T")
 log = logging.getLogger("gateway.store")
 FAILURES_BEFORE_SKIP = 3  # one slow reply must not turn a whole burst of requests local-only
 SKIP_S = 1.0  # then calls fail at once for this long instead of each waiting for its time-out
@@ -89,26 +130,30 @@ SKIP_S = 1.0  # then calls fail at once for this long instead of each waiting fo
 class RedisStore:
     """Store over one Redis; every method raises StoreUnavailable when Redis does not answer."""
 
-    def __init__(self, url: str, prefix: str, timeout_s: float, reservation_ttl_s: float, cache_ttl_s: float) -> None:
+    def __init__(self, url: str, prefix: str, timeout_s: float, reservation_ttl_s: float, cache_ttl_s: float,
+                 cache_max_entries: int = 10_000, threads: int = 4) -> None:
         self._redis = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0), decode_responses=True,
+            retry=Retry(NoBackoff(), 0), decode_responses=True, max_connections=threads,
         )
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="redis")
         self._prefix = prefix
         self._reservation_ttl_s = reservation_ttl_s
         self._cache_ttl_s = cache_ttl_s
+        self._cache_max_entries = cache_max_entries
         self._headroom_script = self._redis.register_script(HEADROOM_LUA)
         self._admit_script = self._redis.register_script(ADMIT_LUA)
-        self._failures = 0  # consecutive
+        self._settle_script = self._redis.register_script(SETTLE_LUA)
+        self._cache_put_script = self._redis.register_script(CACHE_PUT_LUA)
+        self._failures = 0  # consecutive; only touched on the event loop
         self._skip_until = 0.0
 
-    async def _run(self, operation):
-        """Await one Redis call; any failure becomes StoreUnavailable."""
+    async def _run(self, call: Callable[[], T]) -> T:
+        """Run one blocking Redis call on the pool; any failure becomes StoreUnavailable."""
         if time.monotonic() < self._skip_until:
-            operation.close()  # never awaited: close it so Python does not warn
             raise StoreUnavailable("Redis failed repeatedly; retrying shortly")
         try:
-            result = await operation
+            result = await asyncio.get_running_loop().run_in_executor(self._executor, call)
         except (RedisError, OSError) as exc:
             self._failures += 1
             if self._failures >= FAILURES_BEFORE_SKIP:
@@ -124,22 +169,23 @@ class RedisStore:
     def _window_keys(self, tenant: str, now: float) -> list[tuple[str, int]]:
         return [(f"{self._prefix}:win:{tenant}:{period}:{start}", ttl) for period, start, ttl in windows_of(now)]
 
-    async def _headroom_call(self, tenant: str, limits: Limits, now: float, reservation: Reservation | None) -> list[int]:
+    async def _headroom_call(self, tenant: str, limits: Limits, now: float, reservation: Reservation | None,
+                             ttl_s: float = 0.0) -> list[int]:
         (day, _), (month, _) = self._window_keys(tenant, now)
-        member = f"{reservation.id}|{reservation.tokens}|{reservation.cost_micro}" if reservation else ""
         args = [
-            now, now + self._reservation_ttl_s, member,
+            now, now + max(ttl_s, self._reservation_ttl_s), _member(reservation) if reservation else "",
             reservation.tokens if reservation else 0, reservation.cost_micro if reservation else 0,
             _limit(limits.day_tokens), _limit_micro(limits.day_cost_usd),
             _limit(limits.month_tokens), _limit_micro(limits.month_cost_usd),
             1 if reservation else 0,
         ]
         keys = [f"{self._prefix}:held:{tenant}", day, month]
-        return await self._run(self._headroom_script(keys=keys, args=args))
+        return await self._run(lambda: self._headroom_script(keys=keys, args=args))
 
-    async def reserve(self, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float) -> Reservation | None:
+    async def reserve(self, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float,
+                      ttl_s: float = 0.0) -> Reservation | None:
         reservation = new_reservation(tenant, tokens, cost_usd)
-        ok, _, _ = await self._headroom_call(tenant, limits, now, reservation)
+        ok, _, _ = await self._headroom_call(tenant, limits, now, reservation, ttl_s)
         return reservation if ok == 1 else None
 
     async def headroom(self, tenant: str, limits: Limits, now: float) -> Headroom:
@@ -149,37 +195,39 @@ class RedisStore:
         return Headroom(tokens if has_tokens else None, cost / 1e6 if has_cost else None)
 
     async def settle(self, reservation: Reservation, billed: Billed, now: float) -> None:
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.zrem(f"{self._prefix}:held:{reservation.tenant}", _member(reservation))
-        for key, ttl in self._window_keys(reservation.tenant, now):
-            pipe.hincrby(key, "prompt_tokens", billed.prompt_tokens)
-            pipe.hincrby(key, "completion_tokens", billed.completion_tokens)
-            pipe.hincrby(key, "cost_micro", to_micro(billed.cost_usd))
-            pipe.expire(key, ttl + 86_400)
-        await self._run(pipe.execute())
+        (day, day_ttl), (month, month_ttl) = self._window_keys(reservation.tenant, now)
+        keys = [f"{self._prefix}:settled:{reservation.id}", f"{self._prefix}:held:{reservation.tenant}", day, month]
+        args = [_member(reservation), billed.prompt_tokens, billed.completion_tokens, to_micro(billed.cost_usd),
+                day_ttl + 86_400, month_ttl + 86_400, SETTLED_MEMORY_S]
+        await self._run(lambda: self._settle_script(keys=keys, args=args))
 
     async def release(self, reservation: Reservation) -> None:
-        await self._run(self._redis.zrem(f"{self._prefix}:held:{reservation.tenant}", _member(reservation)))
+        key = f"{self._prefix}:held:{reservation.tenant}"
+        await self._run(lambda: self._redis.zrem(key, _member(reservation)))
 
     async def count_request(self, tenant: str, now: float) -> None:
-        pipe = self._redis.pipeline(transaction=True)
-        for key, ttl in self._window_keys(tenant, now):
-            pipe.hincrby(key, "requests", 1)
-            pipe.expire(key, ttl + 86_400)
-        await self._run(pipe.execute())
+        def count() -> Any:
+            pipe = self._redis.pipeline(transaction=True)
+            for key, ttl in self._window_keys(tenant, now):
+                pipe.hincrby(key, "requests", 1)
+                pipe.expire(key, ttl + 86_400)
+            return pipe.execute()
+
+        await self._run(count)
 
     async def usage(self, tenant: str, now: float) -> list[WindowUsage]:
-        pipe = self._redis.pipeline(transaction=False)
-        for key, _ in self._window_keys(tenant, now):
-            pipe.hgetall(key)
-        rows = await self._run(pipe.execute())
-        result = []
-        for (period, start, _), row in zip(windows_of(now), rows):
-            result.append(WindowUsage(
-                period, start, int(row.get("prompt_tokens", 0)), int(row.get("completion_tokens", 0)),
-                int(row.get("cost_micro", 0)) / 1e6, int(row.get("requests", 0)),
-            ))
-        return result
+        def read() -> list[dict[str, str]]:
+            pipe = self._redis.pipeline(transaction=False)
+            for key, _ in self._window_keys(tenant, now):
+                pipe.hgetall(key)
+            return pipe.execute()
+
+        rows = await self._run(read)
+        return [
+            WindowUsage(period, start, int(row.get("prompt_tokens", 0)), int(row.get("completion_tokens", 0)),
+                        int(row.get("cost_micro", 0)) / 1e6, int(row.get("requests", 0)))
+            for (period, start, _), row in zip(windows_of(now), rows)
+        ]
 
     async def admit(self, tenant: str, request_id: str, limits: RateLimits, tokens: int, now: float) -> float | None:
         if limits == RateLimits():
@@ -188,28 +236,31 @@ class RedisStore:
         keys = [f"{self._prefix}:rate:{tenant}:{minute}", f"{self._prefix}:par:{tenant}"]
         args = [now, now + self._reservation_ttl_s * 10, request_id, _limit(limits.requests_per_minute),
                 _limit(limits.tokens_per_minute), _limit(limits.max_parallel), tokens]
-        verdict = await self._run(self._admit_script(keys=keys, args=args))
+        verdict = await self._run(lambda: self._admit_script(keys=keys, args=args))
         if verdict == 1:
             return None
         return (minute + 1) * 60 - now if verdict == 0 else 1.0
 
     async def leave(self, tenant: str, request_id: str) -> None:
-        await self._run(self._redis.zrem(f"{self._prefix}:par:{tenant}", request_id))
+        await self._run(lambda: self._redis.zrem(f"{self._prefix}:par:{tenant}", request_id))
 
     async def cache_get(self, key: str) -> str | None:
-        return await self._run(self._redis.get(f"{self._prefix}:cache:{key}"))
+        return await self._run(lambda: self._redis.get(f"{self._prefix}:cache:{key}"))
 
     async def cache_put(self, key: str, value: str) -> None:
-        await self._run(self._redis.set(f"{self._prefix}:cache:{key}", value, ex=int(self._cache_ttl_s)))
+        keys = [f"{self._prefix}:cache:{key}", f"{self._prefix}:cache-index"]
+        args = [value, int(self._cache_ttl_s), time.time(), self._cache_max_entries]
+        await self._run(lambda: self._cache_put_script(keys=keys, args=args))
 
     async def ping(self) -> bool:
         try:
-            return bool(await self._run(self._redis.ping()))
+            return bool(await self._run(self._redis.ping))
         except StoreUnavailable:
             return False
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._redis.close()
 
 
 def _member(reservation: Reservation) -> str:

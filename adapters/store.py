@@ -4,7 +4,10 @@ Budgets are enforced by reservation: before an upstream call the decoder reserve
 billed tokens (and cost) against every window of the tenant; the store refuses atomically if
 used + reserved + asked would pass a limit. After the call, `settle` replaces the reservation
 with what was actually billed; `release` drops it unspent. A reservation expires on its own
-after `ttl_s`, so one left behind by a dead process cannot block a tenant for long.
+after its time-to-live (at least the store's `reservation_ttl_s`, longer when the caller asks for
+the worst-case duration of its call), so one left behind by a dead process cannot block a tenant
+for long. Settlement is exactly-once per reservation id: a retried settle (after a reply that was
+lost) bills nothing twice. The continuation cache is bounded in time (TTL) and size (LRU entries).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 import math
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Protocol
@@ -86,6 +90,9 @@ class Headroom:
         return (self.tokens is not None and self.tokens <= 0) or (self.cost_usd is not None and self.cost_usd <= 0)
 
 
+SETTLED_MEMORY_S = 2 * 86_400  # how long a settled reservation id is remembered (retries come in seconds)
+
+
 def windows_of(now: float) -> list[tuple[str, str, int]]:
     """(period, window start as ISO date, seconds until the window ends) for each budget window."""
     moment = datetime.fromtimestamp(now, timezone.utc)
@@ -111,11 +118,14 @@ def new_reservation(tenant: str, tokens: int, cost_usd: float) -> Reservation:
 class Store(Protocol):
     """Every method may raise StoreUnavailable; none blocks longer than the store's time-out."""
 
-    async def reserve(self, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float) -> Reservation | None:
-        """Hold `tokens`/`cost_usd` against the tenant's windows, or None if a limit would pass."""
+    async def reserve(self, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float,
+                      ttl_s: float = 0.0) -> Reservation | None:
+        """Hold `tokens`/`cost_usd` against the tenant's windows, or None if a limit would pass.
+
+        The hold lasts max(`ttl_s`, the store's reservation TTL) unless settled or released."""
 
     async def settle(self, reservation: Reservation, billed: Billed, now: float) -> None:
-        """Replace the reservation by what was billed, atomically."""
+        """Replace the reservation by what was billed, atomically and at most once per id."""
 
     async def release(self, reservation: Reservation) -> None:
         """Drop a reservation that was not spent."""
@@ -135,7 +145,8 @@ class Store(Protocol):
 
     async def cache_get(self, key: str) -> str | None: ...
 
-    async def cache_put(self, key: str, value: str) -> None: ...
+    async def cache_put(self, key: str, value: str) -> None:
+        """Keep `value` for the cache TTL; the least recently written entries go past the size cap."""
 
     async def ping(self) -> bool: ...
 
@@ -156,11 +167,13 @@ class MemoryStore:
 
     reservation_ttl_s: float = 60.0
     cache_ttl_s: float = 86_400.0
+    cache_max_entries: int = 10_000
     _windows: dict[tuple[str, str, str], _Window] = field(default_factory=dict)
     _held: dict[str, dict[str, tuple[Reservation, float]]] = field(default_factory=dict)
     _minute: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # (requests, tokens)
     _parallel: dict[str, dict[str, float]] = field(default_factory=dict)
-    _cache: dict[str, tuple[str, float]] = field(default_factory=dict)
+    _cache: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
+    _settled: OrderedDict[str, float] = field(default_factory=OrderedDict)  # reservation id -> when to forget it
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def _window(self, tenant: str, period: str, start: str) -> _Window:
@@ -189,7 +202,8 @@ class MemoryStore:
         return Headroom(min(token_room) if token_room else None,
                         min(cost_room) / 1e6 if cost_room else None)
 
-    async def reserve(self, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float) -> Reservation | None:
+    async def reserve(self, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float,
+                      ttl_s: float = 0.0) -> Reservation | None:
         async with self._lock:
             room = self._headroom(tenant, limits, now)
             reservation = new_reservation(tenant, tokens, cost_usd)
@@ -197,12 +211,17 @@ class MemoryStore:
                 room.cost_usd is not None and reservation.cost_micro > to_micro(room.cost_usd)
             ):
                 return None
-            self._held[tenant][reservation.id] = (reservation, now + self.reservation_ttl_s)
+            self._held[tenant][reservation.id] = (reservation, now + max(ttl_s, self.reservation_ttl_s))
             return reservation
 
     async def settle(self, reservation: Reservation, billed: Billed, now: float) -> None:
         async with self._lock:
             self._held.get(reservation.tenant, {}).pop(reservation.id, None)
+            while self._settled and next(iter(self._settled.values())) <= now:  # oldest first
+                self._settled.popitem(last=False)
+            if reservation.id in self._settled:
+                return
+            self._settled[reservation.id] = now + SETTLED_MEMORY_S
             for period, start, _ in windows_of(now):
                 window = self._window(reservation.tenant, period, start)
                 window.prompt_tokens += billed.prompt_tokens
@@ -255,7 +274,10 @@ class MemoryStore:
         return hit[0]
 
     async def cache_put(self, key: str, value: str) -> None:
+        self._cache.pop(key, None)
         self._cache[key] = (value, time.time() + self.cache_ttl_s)
+        while len(self._cache) > self.cache_max_entries:
+            self._cache.popitem(last=False)
 
     async def ping(self) -> bool:
         return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from datetime import datetime, timezone
 
@@ -18,9 +19,10 @@ NEXT_DAY = datetime(2026, 12, 1, 0, 0, 1, tzinfo=timezone.utc).timestamp()
 @pytest.fixture(params=["memory", "redis"])
 async def store(request, redis_url):
     if request.param == "memory":
-        yield MemoryStore(reservation_ttl_s=30)
+        yield MemoryStore(reservation_ttl_s=30, cache_max_entries=3)
         return
-    real = RedisStore(redis_url, f"test-{uuid.uuid4().hex[:8]}", timeout_s=1.0, reservation_ttl_s=30, cache_ttl_s=60)
+    real = RedisStore(redis_url, f"test-{uuid.uuid4().hex[:8]}", timeout_s=1.0, reservation_ttl_s=30, cache_ttl_s=60,
+                      cache_max_entries=3)
     yield real
     await real.close()
 
@@ -102,6 +104,38 @@ async def test_cache_round_trip(store):
     assert await store.cache_get("k") is None
     await store.cache_put("k", "0 Paris")
     assert await store.cache_get("k") == "0 Paris"
+
+
+async def test_settling_twice_bills_once(store):
+    limits = Limits(day_tokens=100)
+    reservation = await store.reserve("t", 50, 0.0, limits, NOW)
+    await store.settle(reservation, Billed(20, 5, 0.01), NOW)
+    await store.settle(reservation, Billed(20, 5, 0.01), NOW)  # a retry after a lost reply
+    day, _ = await store.usage("t", NOW)
+    assert (day.upstream_prompt_tokens, day.upstream_completion_tokens) == (20, 5)
+    assert day.upstream_cost_usd == pytest.approx(0.01)
+
+
+async def test_a_reservation_lasts_as_long_as_its_call_may(store):
+    limits = Limits(day_tokens=100)
+    assert await store.reserve("t", 100, 0.0, limits, NOW, ttl_s=90) is not None  # store default: 30 s
+    assert await store.reserve("t", 1, 0.0, limits, NOW + 60) is None  # still held
+    assert await store.reserve("t", 100, 0.0, limits, NOW + 91) is not None
+
+
+async def test_cache_keeps_only_the_newest_entries(store):
+    for index in range(5):
+        await store.cache_put(f"k{index}", f"v{index}")
+    assert [await store.cache_get(f"k{index}") for index in range(5)] == [None, None, "v2", "v3", "v4"]
+
+
+async def test_a_busy_event_loop_does_not_look_like_a_redis_outage(redis_url):
+    real = RedisStore(redis_url, f"test-{uuid.uuid4().hex[:8]}", timeout_s=0.1, reservation_ttl_s=30, cache_ttl_s=60)
+    calls = [asyncio.create_task(real.usage("t", NOW)) for _ in range(3)]
+    await asyncio.sleep(0)  # the calls are sent...
+    time.sleep(0.5)  # ...and the loop is blocked (CPU work) far past the time-out while Redis answers
+    assert all(len(windows) == 2 for windows in await asyncio.gather(*calls))
+    await real.close()
 
 
 async def test_unreachable_redis_raises_store_unavailable_quickly():
