@@ -16,6 +16,10 @@ import llama_cpp
 SEQUENCE = 0  # llama-cpp-python evaluates everything as sequence 0
 
 
+class SnapshotRestoreFailed(Exception):
+    """A snapshot could not be loaded; the context's KV state for the sequence is unknown."""
+
+
 def common_prefix(held: list[int] | tuple[int, ...], tokens: list[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
     if list(tokens[: len(held)]) == list(held):  # the usual case, checked at C speed
@@ -54,7 +58,9 @@ class KVSnapshots:
     def restore_best(self, ctx, tokens: list[int], better_than: int) -> tuple[int, ...] | None:
         """Load the snapshot sharing the longest prefix with `tokens`, if it beats `better_than`.
 
-        Returns the snapshot's tokens (the context now holds them), or None if none was loaded.
+        Returns the snapshot's tokens (the context now holds them), or None if none qualified.
+        Raises SnapshotRestoreFailed if llama.cpp refused the data: the sequence is then in an
+        unknown state and must be re-evaluated from scratch; the bad snapshot is dropped.
         """
         best, shared = None, better_than
         for key in self._entries:
@@ -67,6 +73,8 @@ class KVSnapshots:
         self._entries.move_to_end(best)
         source = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if llama_cpp.llama_state_seq_set_data(ctx, source, len(data), SEQUENCE) == 0:
-            return None
+            del self._entries[best]
+            self.used_bytes -= len(data)
+            raise SnapshotRestoreFailed(f"llama.cpp refused a {len(data)}-byte KV snapshot")
         self.hits += 1
         return best

@@ -20,7 +20,7 @@ import numpy as np
 from llama_cpp import Llama
 
 from adapters.chat_template import ChatTemplate
-from adapters.kv_snapshots import KVSnapshots, common_prefix
+from adapters.kv_snapshots import KVSnapshots, SnapshotRestoreFailed, common_prefix
 
 SNAPSHOT_MIN_TOKENS = 32  # shorter prefills are cheaper to redo than to snapshot
 
@@ -40,6 +40,15 @@ class ContextOverflow(Exception):
 def system_info() -> str:
     """llama.cpp's own report of the CPU features it was built with and uses."""
     return llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+
+
+def tokenize_parts(llm: Llama, parts: list[tuple[str, bool]]) -> list[int]:
+    """Tokens of a prompt from `ChatTemplate.render_parts`: BOS if the model wants one, control
+    tokens parsed in the template's own text only, message content tokenized as plain text."""
+    tokens: list[int] = []
+    for index, (text, is_content) in enumerate(parts):
+        tokens += llm.tokenize(text.encode("utf-8"), add_bos=index == 0, special=not is_content)
+    return tokens
 
 
 class LocalModel:
@@ -94,9 +103,9 @@ class LocalModel:
 
     # -- tokens and text (read-only on the vocabulary: safe outside the worker) --
 
-    def tokenize_prompt(self, text: str) -> list[int]:
-        """Tokens of a rendered prompt: BOS if the model wants one, special tokens parsed."""
-        return self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+    def tokenize_prompt(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """Tokens of a rendered prompt (see `tokenize_parts`)."""
+        return tokenize_parts(self._llm, parts)
 
     def tokenize_text(self, data: bytes) -> list[int]:
         """Tokens of answer text: no BOS, special-token syntax kept as plain text."""
@@ -132,7 +141,10 @@ class LocalModel:
             raise ContextOverflow(f"{len(tokens)} tokens exceed the context of {self.n_ctx}")
         common = common_prefix(self._held, tokens)
         if len(tokens) - common >= SNAPSHOT_MIN_TOKENS:
-            restored = self.snapshots.restore_best(self._llm.ctx, tokens, common + SNAPSHOT_MIN_TOKENS)
+            try:
+                restored = self.snapshots.restore_best(self._llm.ctx, tokens, common + SNAPSHOT_MIN_TOKENS)
+            except SnapshotRestoreFailed:
+                restored, common = None, 0  # evaluate everything again: the KV state is unknown
             if restored is not None:
                 self._held, common = list(restored), common_prefix(restored, tokens)
         common = min(common, len(tokens) - 1)  # evaluate at least one token to get its logits

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import time
@@ -32,7 +33,7 @@ litellm.disable_aiohttp_transport = True  # httpx: its aiohttp sessions leak on 
 for _name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
     logging.getLogger(_name).setLevel(logging.WARNING)  # it logs every call at INFO
 
-from adapters.chat_template import ChatTemplate  # noqa: E402
+from adapters.chat_template import COMMON_CONTROL, ChatTemplate, neutralize  # noqa: E402
 from gateway.settings import UpstreamSettings  # noqa: E402
 
 FALLBACK_INSTRUCTION = (
@@ -43,6 +44,23 @@ FALLBACK_INSTRUCTION = (
 
 class UpstreamUnavailable(Exception):
     """The upstream failed, timed out, or its circuit breaker is open."""
+
+    reason = "upstream_unavailable"
+
+
+class UpstreamRejected(UpstreamUnavailable):
+    """The upstream refused this request itself (a 4xx such as context length or a content filter):
+    not retried, not held against the upstream, and the same request would be refused again."""
+
+    reason = "upstream_rejected"
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Transport errors, time-outs, 408, 429 and 5xx: worth a retry and held against the breaker."""
+    status = getattr(exc, "status_code", None)
+    if status is None and isinstance(exc, httpx.HTTPStatusError):
+        status = exc.response.status_code
+    return not isinstance(status, int) or status in (408, 429) or status >= 500
 
 
 @dataclass(frozen=True)
@@ -70,23 +88,44 @@ class Continuation:
 
 
 class CircuitBreaker:
-    """Opens after `failures` consecutive failures; lets one trial call through after `cooldown_s`."""
+    """Closed, calls pass; `failures` transient failures in a row open it for `cooldown_s`; then it is
+    half-open: one trial call passes (others are refused meanwhile) and its outcome closes or re-opens it."""
 
     def __init__(self, failures: int, cooldown_s: float) -> None:
         self._limit, self._cooldown = failures, cooldown_s
         self._consecutive = 0
         self._opened_at: float | None = None
+        self._trial_running = False
 
     def allows(self, now: float) -> bool:
-        return self._opened_at is None or now - self._opened_at >= self._cooldown
+        """Would a call pass now? (No side effect.)"""
+        if self._opened_at is None:
+            return True
+        return not self._trial_running and now - self._opened_at >= self._cooldown
 
-    def record(self, ok: bool, now: float) -> None:
+    def acquire(self, now: float) -> bool | None:
+        """Let one call through: None if refused, True if it is the half-open trial, else False."""
+        if not self.allows(now):
+            return None
+        if self._opened_at is None:
+            return False
+        self._trial_running = True
+        return True
+
+    def record(self, ok: bool, now: float, trial: bool = False) -> None:
+        if trial:
+            self._trial_running = False
         if ok:
             self._consecutive, self._opened_at = 0, None
             return
         self._consecutive += 1
-        if self._consecutive >= self._limit:
+        if self._consecutive >= self._limit or trial:
             self._opened_at = now
+
+    def abandon(self, trial: bool) -> None:
+        """A call ended without an outcome (cancelled): the next caller may try."""
+        if trial:
+            self._trial_running = False
 
 
 class Upstream:
@@ -105,21 +144,35 @@ class Upstream:
         return self._breaker.allows(time.monotonic())
 
     def handoff(self, messages: list[dict[str, Any]], continue_final: bool = False) -> Handoff:
-        """A hand-off of an empty answer; the decoder replaces `answer` as the answer grows."""
+        """A hand-off of an empty answer; the decoder replaces `answer` as the answer grows.
+
+        Control-token strings in the content are neutralized: the upstream reads them as text."""
+        messages = [{**m, "content": self._neutral(m["content"])} for m in messages]
         if self.settings.mode == "completions":
             prefix = self._template.render(messages, continue_final)
         else:  # a stable serialisation, for cache keys and token estimates
             prefix = "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages) + "\x1d"
         return Handoff(prefix, messages, "", continue_final)
 
-    @staticmethod
-    def prompt_text(handoff: Handoff) -> str:
-        """The text the upstream is asked to continue."""
-        return handoff.prefix + handoff.answer
+    def _neutral(self, text: str) -> str:
+        return neutralize(text, self._template.control if self._template else COMMON_CONTROL)
 
-    def cache_key(self, handoff: Handoff, max_tokens: int) -> str:
-        digest = hashlib.sha256(self.prompt_text(handoff).encode("utf-8")).hexdigest()
-        return f"{self.settings.model}|{self.settings.mode}|{max_tokens}|{digest}"
+    def prompt_text(self, handoff: Handoff) -> str:
+        """The text the upstream is asked to continue."""
+        return handoff.prefix + self._neutral(handoff.answer)
+
+    @property
+    def worst_case_s(self) -> float:
+        """The longest one `continue_text` call can take (every attempt timing out)."""
+        return self.settings.timeout_s * (self.settings.retries + 1)
+
+    def cache_key(self, handoff: Handoff, max_tokens: int, scope: str) -> str:
+        """Key of a greedy continuation: everything that changes the upstream's answer, in `scope`
+        (a tenant, or the tenants sharing a cache), hashed so no prompt text is stored in a key."""
+        s = self.settings
+        parts = [scope, self.name, s.model, s.api_base, s.mode, s.extra_body, handoff.continue_final, max_tokens,
+                 self.prompt_text(handoff)]
+        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
     def estimate_prompt_tokens(self, handoff: Handoff) -> int:
         """Billed prompt tokens of this hand-off: exact with the upstream's tokenizer, else an
@@ -145,23 +198,29 @@ class Upstream:
                             top_p: float, seed: int | None) -> Continuation:
         """Ask the upstream for up to `max_tokens` tokens continuing the answer.
 
-        Retries up to `retries` times within the call; raises UpstreamUnavailable when all
-        attempts fail or the breaker is open.
+        Transient failures are retried up to `retries` times and count against the circuit
+        breaker; raises UpstreamUnavailable when they persist or the breaker is open, and
+        UpstreamRejected (no retry, breaker untouched) when the upstream refuses the request.
         """
-        if not self.available:
-            raise UpstreamUnavailable(f"circuit breaker open for upstream '{self.name}'")
         last: Exception | None = None
         for _ in range(self.settings.retries + 1):
+            trial = self._breaker.acquire(time.monotonic())
+            if trial is None:
+                raise UpstreamUnavailable(f"circuit breaker open for upstream '{self.name}'") from last
             started = time.monotonic()
             try:
                 response = await self._call(handoff, max_tokens, temperature, top_p, seed)
             except (openai.OpenAIError, httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
-                self._breaker.record(False, time.monotonic())
+                transient = is_transient(exc)
+                self._breaker.record(not transient, time.monotonic(), trial)
+                if not transient:
+                    raise UpstreamRejected(f"upstream '{self.name}' refused the hand-off: {exc}") from exc
                 last = exc
-                if not self.available:
-                    break
                 continue
-            self._breaker.record(True, time.monotonic())
+            except BaseException:
+                self._breaker.abandon(trial)
+                raise
+            self._breaker.record(True, time.monotonic(), trial)
             return self._continuation(handoff, response, time.monotonic() - started)
         raise UpstreamUnavailable(f"upstream '{self.name}' failed: {type(last).__name__}: {last}") from last
 
@@ -180,13 +239,13 @@ class Upstream:
         messages, extra_body = self._chat_messages(handoff)
         return await litellm.acompletion(messages=messages, extra_body={**s.extra_body, **extra_body}, **common)
 
-    @staticmethod
-    def _split(handoff: Handoff) -> tuple[list[dict[str, Any]], str]:
+    def _split(self, handoff: Handoff) -> tuple[list[dict[str, Any]], str]:
         """The messages before the assistant's turn, and the whole partial assistant text."""
         messages = [dict(m) for m in handoff.messages]
+        answer = self._neutral(handoff.answer)
         if handoff.continue_final:  # the client's own partial assistant message comes first
-            return messages[:-1], messages[-1]["content"] + handoff.answer
-        return messages, handoff.answer
+            return messages[:-1], messages[-1]["content"] + answer
+        return messages, answer
 
     def _chat_messages(self, handoff: Handoff) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The chat messages of a hand-off, and the extra body fields its mode needs."""

@@ -1,8 +1,13 @@
-"""A llama-cpp-python OpenAI server started as a child process: the embedded loopback upstream."""
+"""A llama-cpp-python OpenAI server started as a child process: the embedded loopback upstream.
+
+`supervise()` restarts the child on the same port when it dies; meanwhile hand-offs fail fast
+(the upstream's circuit breaker opens) and requests are answered locally.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -13,6 +18,9 @@ import time
 from pathlib import Path
 
 import httpx
+
+
+log = logging.getLogger("gateway.upstream_server")
 
 
 class UpstreamServerError(Exception):
@@ -32,18 +40,37 @@ class UpstreamServer:
         self.port = port or free_port()
         self.alias = alias
         self.api_base = f"http://127.0.0.1:{self.port}/v1"
-        command = [
+        self.restarts = 0
+        self._command = [
             sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", alias,
             "--host", "127.0.0.1", "--port", str(self.port), "--n_threads", str(n_threads),
             "--n_threads_batch", str(n_threads), "--n_ctx", str(n_ctx), "--verbose", "False",
         ]
         # A file, not a pipe: a chatty child would block once a pipe nobody reads fills up.
         self._log = tempfile.NamedTemporaryFile(prefix=f"upstream-{alias}-", suffix=".log", delete=False)
+        self._process = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
         environ = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-        self._process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=environ,
+        return subprocess.Popen(
+            self._command, stdout=self._log, stderr=subprocess.STDOUT, env=environ,
             start_new_session=True, preexec_fn=_die_with_parent,
         )
+
+    async def supervise(self, interval_s: float = 1.0) -> None:
+        """Run until cancelled: start the child again whenever it has exited."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if self._process.poll() is None:
+                continue
+            log.warning("upstream server '%s' exited with %s; restarting it", self.alias, self._process.returncode)
+            self._process = self._spawn()
+            self.restarts += 1
+            try:
+                await self.wait_ready()
+                log.warning("upstream server '%s' is back", self.alias)
+            except UpstreamServerError as exc:
+                log.error("upstream server '%s' did not come back: %s", self.alias, exc)
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Wait until the server answers /v1/models and one completion (warms its lazy set-up)."""
@@ -60,7 +87,7 @@ class UpstreamServer:
                     return
                 except httpx.HTTPError:
                     await asyncio.sleep(0.25)
-        self.stop()
+        self._terminate()
         raise UpstreamServerError(f"upstream server on port {self.port} not ready after {timeout_s:.0f}s")
 
     def log_tail(self) -> str:
@@ -71,7 +98,7 @@ class UpstreamServer:
     def pid(self) -> int:
         return self._process.pid
 
-    def stop(self) -> None:
+    def _terminate(self) -> None:
         if self._process.poll() is None:
             self._process.send_signal(signal.SIGTERM)
             try:
@@ -79,6 +106,10 @@ class UpstreamServer:
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()
+
+    def stop(self) -> None:
+        """Stop the child for good (cancel `supervise` first)."""
+        self._terminate()
         self._log.close()
         Path(self._log.name).unlink(missing_ok=True)
 

@@ -69,7 +69,7 @@ async def main() -> None:
     path = resolve_model(args.model)
     local = await LocalModel.load(path, n_ctx=2048, n_threads=args.threads, n_batch=256, queue_limit=1)
     llm = Llama(str(path), n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
-    tokens = local.tokenize_prompt(local.template.render(PROMPT))
+    tokens = local.tokenize_prompt(local.template.render_parts(PROMPT))
     llama_greedy(llm, tokens, 8)  # warm-up: page in the weights for both
     await decoder_never(local, 8)
     baseline, ours = [], []

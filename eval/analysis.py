@@ -19,6 +19,7 @@ import numpy as np
 from llama_cpp import Llama
 
 from adapters.chat_template import ChatTemplate
+from adapters.local_model import tokenize_parts
 from eval.datasets import Item
 from gateway.signals import signal_of
 
@@ -46,7 +47,7 @@ class TeacherForcer:
     def analyze(self, item: Item, reference: list[int]) -> dict[str, Any]:
         """Per-position local greedy match and signals along `reference`, as one record
         (`next`: the local greedy token after the whole reference)."""
-        prompt = self.llm.tokenize(self.template.render(item.messages).encode("utf-8"), add_bos=True, special=True)
+        prompt = tokenize_parts(self.llm, self.template.render_parts(item.messages))
         tokens = prompt + list(reference)
         if len(tokens) > self.llm.n_ctx():
             raise ValueError(f"item {item.id}: {len(tokens)} tokens exceed the analysis context")

@@ -144,7 +144,7 @@ async def _oracle(models: Models, item: Item, reference: dict[str, Any] | None, 
     if reference is None:
         raise RuntimeError(f"oracle: no upstream answer recorded for item {item.id}")
     local = models.local
-    prompt = local.tokenize_prompt(local.template.render(item.messages))
+    prompt = local.tokenize_prompt(local.template.render_parts(item.messages))
     tokens = reference["tokens"]
     mismatch = await local_mismatches(local, prompt, tokens, ended=reference["finish_reason"] == "stop")
     reanchor = reanchorer(local, models.upstream, forcer, item, max_tokens) if forcer is not None else None

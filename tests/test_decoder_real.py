@@ -50,7 +50,7 @@ async def decode(local, upstream, policy: str, prompt: str, max_tokens: int = 24
 def greedy_reference(path, local: LocalModel, prompt: str, max_tokens: int) -> list[int]:
     """llama-cpp-python's own greedy generation from the same rendered prompt."""
     llm = Llama(str(path), n_ctx=2048, n_threads=1, verbose=False)
-    tokens = local.tokenize_prompt(local.template.render([{"role": "user", "content": prompt}]))
+    tokens = local.tokenize_prompt(local.template.render_parts([{"role": "user", "content": prompt}]))
     out: list[int] = []
     for token in llm.generate(tokens, temp=0.0, top_k=1):
         if local.is_end_of_generation(token) or len(out) >= max_tokens:
@@ -94,7 +94,7 @@ async def first_divergence_is_a_near_tie(local: LocalModel, prompt: str, ours: l
     token by token; the two kernels round differently, which flips near-ties in greedy decoding.
     """
     index = next(i for i, (a, b) in enumerate(zip(ours, reference)) if a != b)
-    prompt_tokens = local.tokenize_prompt(local.template.render([{"role": "user", "content": prompt}]))
+    prompt_tokens = local.tokenize_prompt(local.template.render_parts([{"role": "user", "content": prompt}]))
     async with local.lease() as lease:
         logits = await lease.forward(prompt_tokens + reference[:index])
     return abs(float(logits[reference[index]] - logits[ours[index]])) < 0.1
