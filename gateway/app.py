@@ -8,12 +8,14 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from gateway import observability
 from gateway.errors import install_error_handlers
 from gateway.playground import router as playground_router
 from gateway.routes import router
 from gateway.runtime import Runtime
+from gateway.schemas import ChatCompletionRequest
 from gateway.settings import Settings
 
 log = logging.getLogger("gateway")
@@ -40,7 +42,24 @@ def create_app(settings: Settings, start_runtime: RuntimeFactory = Runtime.start
     app.include_router(playground_router)
     observability.install(app, observability.Metrics())  # a registry per app: no process globals
     app.add_middleware(RequestIdMiddleware)  # outermost: the id is set for every log line below it
+    app.openapi = lambda: app.openapi_schema or _openapi_with_chat_body(app)
     return app
+
+
+def _openapi_with_chat_body(app: FastAPI) -> dict:
+    """FastAPI's description plus the chat request body, which the route parses itself (to enforce
+    the body-size limit and answer in OpenAI's error shape) and so does not declare."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    body = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.update(body.pop("$defs", {}))
+    components["ChatCompletionRequest"] = body
+    schema["paths"]["/v1/chat/completions"]["post"]["requestBody"] = {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}},
+    }
+    app.openapi_schema = schema
+    return schema
 
 
 class RequestIdMiddleware:

@@ -1,12 +1,15 @@
 """Upstream spending for tenants: an app-wide ledger over the Store, and a per-request gate.
 
 The gate is what the decoder talks to. It never raises for a store fault: a reservation it
-cannot take is a refusal (the step is decoded locally), and a settlement it cannot write is
-queued in the ledger and written when the store answers again, so no billed call is lost.
+cannot take is a refusal (the step is decoded locally, and the next routed step asks again), and a
+settlement it cannot write is queued in the ledger and written when the store answers again
+(on the next call, or by `keep_flushing` in the background), so no billed call is lost. The
+store settles each reservation at most once, so a queued settlement may be retried safely.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -18,16 +21,22 @@ log = logging.getLogger("gateway.budget")
 
 
 class Ledger:
-    """The Store plus a queue of settlements that could not be written yet."""
+    """The Store plus queues of what could not be written yet: settlements and parallel-slot releases."""
 
     def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.clock = clock
         self._unsettled: list[tuple[Reservation, Billed, float]] = []
+        self._unreleased: list[tuple[str, str]] = []  # (tenant, request id) whose parallel slot is still held
+        self._flushing = asyncio.Lock()  # two flushes at once would write one entry twice and drop the next
 
     @property
     def unsettled(self) -> int:
         return len(self._unsettled)
+
+    @property
+    def unreleased(self) -> int:
+        return len(self._unreleased)
 
     async def settle(self, reservation: Reservation, billed: Billed) -> None:
         now = self.clock()
@@ -38,12 +47,35 @@ class Ledger:
             log.warning("ledger unreachable; settlement of tenant %s queued", reservation.tenant)
             self._unsettled.append((reservation, billed, now))
 
+    async def leave(self, tenant: str, request_id: str) -> None:
+        """Give back a request's parallel slot, now or once the store answers again: a slot left
+        held would refuse the tenant's requests until it expires."""
+        try:
+            await self.store.leave(tenant, request_id)
+        except StoreUnavailable:
+            self._unreleased.append((tenant, request_id))
+
     async def flush(self) -> None:
-        """Write queued settlements; raises StoreUnavailable if the store is still down."""
-        while self._unsettled:
-            reservation, billed, when = self._unsettled[0]
-            await self.store.settle(reservation, billed, when)
-            self._unsettled.pop(0)
+        """Write queued settlements and releases; raises StoreUnavailable if the store is still down."""
+        if not (self._unsettled or self._unreleased):
+            return
+        async with self._flushing:
+            while self._unsettled:
+                reservation, billed, when = self._unsettled[0]
+                await self.store.settle(reservation, billed, when)
+                self._unsettled.pop(0)
+            while self._unreleased:
+                await self.store.leave(*self._unreleased[0])
+                self._unreleased.pop(0)
+
+    async def keep_flushing(self, interval_s: float = 1.0) -> None:
+        """Run until cancelled: write queued settlements as soon as the store answers again."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.flush()
+            except StoreUnavailable:
+                pass
 
 
 @dataclass
@@ -56,18 +88,25 @@ class HandoffGate:
     allowed: bool
     headroom: Headroom | None = None  # as read at admission; None when unknown or unlimited
     refusal: str = "budget_exhausted"
+    cache_scope: str = ""  # continuation-cache namespace: the tenant's own unless it shares one
 
     def tokens_left(self) -> int | None:
         return None if self.headroom is None else self.headroom.tokens
 
-    async def reserve(self, tokens: int, cost_usd: float) -> Reservation | None:
-        """A reservation, or None (see `refusal` for why)."""
+    def __post_init__(self) -> None:
+        self.cache_scope = self.cache_scope or f"tenant:{self.tenant}"
+
+    async def reserve(self, tokens: int, cost_usd: float, ttl_s: float = 0.0) -> Reservation | None:
+        """A reservation held for at least `ttl_s`, or None (see `refusal` for why).
+
+        `store_unavailable` is a refusal of this call only; the others hold for the request."""
         if self.ledger is None or not self.allowed:
             self.refusal = "upstream_forbidden"
             return None
         try:
             await self.ledger.flush()
-            reservation = await self.ledger.store.reserve(self.tenant, tokens, cost_usd, self.limits, self.ledger.clock())
+            reservation = await self.ledger.store.reserve(
+                self.tenant, tokens, cost_usd, self.limits, self.ledger.clock(), ttl_s)
         except StoreUnavailable:
             self.refusal = "store_unavailable"
             return None

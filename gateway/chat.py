@@ -33,6 +33,13 @@ class Admitted:
     tenant: Tenant
     body: ChatCompletionRequest
     decoding: Decoding
+    left: bool = False
+
+    async def leave(self, runtime: Runtime) -> None:
+        """Give back the request's parallel slot, once, whichever path ends the request first."""
+        if not self.left:
+            self.left = True
+            await leave(runtime, self.tenant, self.id)
 
 
 def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None) -> RoutingSettings:
@@ -78,7 +85,8 @@ async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -
     except QueueFull as exc:
         raise Overloaded(f"the local model is busy ({exc}); retry shortly") from exc
     gate = HandoffGate(runtime.ledger, tenant.id, tenant.limits, allowed=tenant.settings.allow_upstream,
-                       refusal="budget_exhausted" if tenant.settings.allow_upstream else "upstream_forbidden")
+                       refusal="budget_exhausted" if tenant.settings.allow_upstream else "upstream_forbidden",
+                       cache_scope="shared" if tenant.settings.cache_scope == "shared" else "")
     decoding = _decoding(alias, gate, body, routing, max_tokens)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     await _admit(runtime, tenant, gate, request_id, tokens=len(decoding.prompt_tokens) + decoding.limit)
@@ -86,13 +94,9 @@ async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -
 
 
 async def leave(runtime: Runtime, tenant: Tenant, request_id: str) -> None:
-    """Give back the request's parallel slot (it also expires on its own)."""
-    if tenant.settings.rate_limits.max_parallel is None:
-        return
-    try:
-        await runtime.ledger.store.leave(tenant.id, request_id)
-    except StoreUnavailable:
-        pass
+    """Give back the request's parallel slot (queued while the store is down; it also expires)."""
+    if tenant.settings.rate_limits.max_parallel is not None:
+        await runtime.ledger.leave(tenant.id, request_id)
 
 
 def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, routing: RoutingSettings,
@@ -117,7 +121,8 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, rout
 
 
 async def _admit(runtime: Runtime, tenant: Tenant, gate: HandoffGate, request_id: str, tokens: int) -> None:
-    """Rate limits and budget at admission; a store fault closes the gate (local-only), never fails."""
+    """Rate limits and budget at admission. A store fault never fails the request: it is admitted
+    unmetered, and each hand-off asks the store again (local steps meanwhile)."""
     store, now = runtime.ledger.store, runtime.ledger.clock()
     try:
         wait = await store.admit(tenant.id, request_id, tenant.rate_limits, tokens, now)
@@ -127,7 +132,6 @@ async def _admit(runtime: Runtime, tenant: Tenant, gate: HandoffGate, request_id
         if gate.allowed and not gate.limits.unlimited:
             gate.headroom = await store.headroom(tenant.id, gate.limits, now)
     except StoreUnavailable:
-        gate.allowed, gate.refusal = False, "store_unavailable"
         return
     if gate.headroom is not None and gate.headroom.exhausted:
         if tenant.settings.on_budget_exhausted == "refuse":

@@ -22,13 +22,14 @@ import numpy as np
 from adapters.kv_snapshots import common_prefix
 from adapters.local_model import LocalModel
 from adapters.store import Billed
-from adapters.upstream import Continuation, Handoff, Upstream, UpstreamUnavailable
+from adapters.upstream import Continuation, Handoff, Upstream, UpstreamRejected, UpstreamUnavailable
 from gateway.budget import HandoffGate
 from gateway.signals import Sampling, log_softmax, sample, signal_of
 from gateway.text_stream import TextReleaser
 from policies import Policy, Route, RoutingState, Signal
 
 LOCAL, UPSTREAM, CACHE = "local", "upstream", "cache"
+RESERVATION_MARGIN_S = 30.0  # a reservation outlives its call's worst case by this much
 log = logging.getLogger("gateway.decoder")
 
 
@@ -92,7 +93,7 @@ class Decoding:
 
     def __init__(self, local: LocalModel, upstream: Upstream | None, gate: HandoffGate, request: DecodeRequest) -> None:
         self.local, self.upstream, self.gate, self.request = local, upstream, gate, request
-        prompt = local.template.render(request.messages, request.continue_final)
+        prompt = local.template.render_parts(request.messages, request.continue_final)
         self.prompt_tokens: list[int] = local.tokenize_prompt(prompt)
         self.limit = min(request.max_tokens, local.n_ctx - len(self.prompt_tokens))  # answer tokens
         self.answer_tokens: list[int] = []
@@ -182,7 +183,7 @@ class Decoding:
     async def _continuation(self, handoff: Handoff, span: int) -> tuple[str, bool, str] | None:
         """(text, finished, source) from the cache or the upstream; None to decode locally."""
         deterministic = self.request.sampling.greedy
-        key = self.upstream.cache_key(handoff, span)
+        key = self.upstream.cache_key(handoff, span, self.gate.cache_scope)
         if deterministic:
             cached = await self.gate.cache_get(key)
             if cached is not None:
@@ -196,10 +197,12 @@ class Decoding:
 
     async def _call_upstream(self, handoff: Handoff, span: int) -> Continuation | None:
         estimate = self.upstream.estimate_prompt_tokens(handoff) + span
-        reservation = await self.gate.reserve(estimate, self.upstream.estimate_cost(estimate - span, span))
+        reservation = await self.gate.reserve(estimate, self.upstream.estimate_cost(estimate - span, span),
+                                              ttl_s=self.upstream.worst_case_s + RESERVATION_MARGIN_S)
         if reservation is None:
             self.usage.degrade(self.gate.refusal)
-            self._upstream_closed = True
+            if self.gate.refusal != "store_unavailable":  # that one may answer at the next routed step
+                self._upstream_closed = True
             return None
         sampling = self.request.sampling
         try:
@@ -209,7 +212,9 @@ class Decoding:
         except UpstreamUnavailable as exc:
             await asyncio.shield(self.gate.release(reservation))
             log.warning("hand-off decoded locally: %s", exc)
-            self.usage.degrade("upstream_unavailable")
+            self.usage.degrade(exc.reason)
+            if isinstance(exc, UpstreamRejected):  # it would refuse the longer prefix too
+                self._upstream_closed = True
             return None
         except BaseException:
             await asyncio.shield(self.gate.release(reservation))

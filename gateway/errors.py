@@ -62,6 +62,12 @@ class QuotaExceeded(GatewayError):
         super().__init__(message, headers={"x-should-retry": "false"})
 
 
+class ClientClosedRequest(GatewayError):
+    """The client left before the answer was ready (nginx's 499; nobody reads the body)."""
+
+    status, type, code = 499, "invalid_request_error", "client_closed_request"
+
+
 class Overloaded(GatewayError):
     status, type, code = 503, "server_error", "overloaded"
 
@@ -79,10 +85,14 @@ def sse_error_event(error: GatewayError) -> dict:
 
 
 def param_of(location: tuple) -> str | None:
-    """pydantic's error location as OpenAI's param: ('messages', 0, 'content') -> messages[0].content."""
+    """pydantic's error location as OpenAI's param: ('messages', 0, 'content') -> messages[0].content.
+
+    pydantic also names the union member it tried ('str', 'list[TextPart]'); those are not fields."""
     parts: list[str] = []
     for item in location:
         if item in ("body",) and not parts:
+            continue
+        if isinstance(item, str) and _union_member(item):
             continue
         if isinstance(item, int):
             parts.append(f"[{item}]")
@@ -90,7 +100,11 @@ def param_of(location: tuple) -> str | None:
             parts.append(f".{item}")
         else:
             parts.append(str(item))
-    return "".join(parts) or None
+    return "".join(parts) if parts else None
+
+
+def _union_member(item: str) -> bool:
+    return item in ("str", "int", "float", "bool", "none") or "[" in item or item[:1].isupper()
 
 
 def install_error_handlers(app: FastAPI) -> None:

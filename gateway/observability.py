@@ -314,6 +314,8 @@ class MeteredUpstream:
 def _upstream_failure(exc: BaseException) -> str:
     import openai  # only on failures: importing it costs the CLI most of a second
 
+    if getattr(exc, "reason", None) == "upstream_rejected":
+        return "rejected"
     cause = exc.__cause__ or exc
     timeouts = (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException, openai.APITimeoutError)
     return "timeout" if isinstance(cause, timeouts) else "error"

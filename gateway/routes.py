@@ -10,11 +10,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sse_starlette.sse import AppStatus, EventSourceResponse
+from starlette.background import BackgroundTask
 
 from gateway import observability
-from gateway.chat import Admitted, admit, leave
+from gateway.chat import Admitted, admit
 from gateway.decoder import Piece
-from gateway.errors import Forbidden, GatewayError, InvalidRequest, Unauthenticated, param_of, sse_error_event
+from gateway.errors import (
+    ClientClosedRequest, Forbidden, GatewayError, InvalidRequest, Unauthenticated, param_of, sse_error_event,
+)
 from gateway.responses import chunk, completion_body, routing_header, usage_chunk
 from gateway.runtime import Runtime
 from gateway.schemas import ChatCompletionRequest
@@ -75,13 +78,40 @@ async def chat_completions(request: Request):
     admitted = await admit(runtime, tenant, body)
     if body.stream:
         # On SIGTERM, sse-starlette would cut streams at once; the grace period lets them finish.
+        # The background task frees the slot even when the client left before the stream started.
         return EventSourceResponse(_stream(runtime, admitted), sep="\n", ping=15,
-                                   shutdown_grace_period=runtime.settings.server.drain_seconds)
+                                   shutdown_grace_period=runtime.settings.server.drain_seconds,
+                                   background=BackgroundTask(admitted.leave, runtime))
     try:
-        pieces = [piece async for piece in observability.metered(admitted)]
+        pieces = await _unless_client_leaves(request, _collect(admitted))
     finally:
-        await leave(runtime, tenant, admitted.id)
+        await asyncio.shield(admitted.leave(runtime))
     return JSONResponse(completion_body(admitted, pieces), headers={"x-routing-summary": routing_header(admitted)})
+
+
+async def _collect(admitted: Admitted) -> list[Piece]:
+    return [piece async for piece in observability.metered(admitted)]
+
+
+async def _unless_client_leaves(request: Request, work):
+    """Await `work`, but cancel it (no more decoding or upstream spending) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientClosedRequest("the client closed the connection before the answer was ready")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body has been read, so `receive` waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _stream(runtime: Runtime, admitted: Admitted):
@@ -109,7 +139,7 @@ async def _stream(runtime: Runtime, admitted: Admitted):
         yield sse_error_event(GatewayError("internal error while decoding; the gateway logged the details"))
     finally:
         # A client that left cancels this generator; the shield lets the slot's release finish.
-        await asyncio.shield(leave(runtime, admitted.tenant, admitted.id))
+        await asyncio.shield(admitted.leave(runtime))
 
 
 def _event(body: dict) -> dict:
@@ -185,6 +215,7 @@ async def ready(request: Request):
         "store": "ok" if store_ok else "unavailable",
         "mode": "routing" if store_ok else "local_only",
         "unsettled_usage": runtime.ledger.unsettled,
+        "unreleased_slots": runtime.ledger.unreleased,
         "queue_depth": {name: model.queue_depth for name, model in runtime.local_models.items()},
     }
     return JSONResponse(body, status_code=503 if draining else 200)

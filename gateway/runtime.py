@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections import deque
@@ -45,6 +46,7 @@ class Runtime:
     aliases: dict[str, Alias] = field(default_factory=dict)
     local_models: dict[str, LocalModel] = field(default_factory=dict)
     servers: list[UpstreamServer] = field(default_factory=list)
+    background: list[asyncio.Task] = field(default_factory=list)  # ledger flusher, child supervisors
     closed: bool = False
 
     @classmethod
@@ -62,6 +64,8 @@ class Runtime:
         except BaseException:
             await runtime.close()
             raise
+        runtime.background.append(asyncio.create_task(runtime.ledger.keep_flushing()))
+        runtime.background.extend(asyncio.create_task(server.supervise()) for server in runtime.servers)
         return runtime
 
     async def _load(self, settings: Settings) -> None:
@@ -95,6 +99,9 @@ class Runtime:
         if self.closed:
             return
         self.closed = True
+        for task in self.background:
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
         for server in self.servers:
             server.stop()
         for model in self.local_models.values():
@@ -118,5 +125,6 @@ def make_upstream(name: str, settings: UpstreamSettings) -> Upstream:
 def _store(settings: Settings) -> Store:
     s = settings.store
     if s.backend == "redis":
-        return RedisStore(s.url, s.key_prefix, s.timeout_s, s.reservation_ttl_s, s.cache_ttl_s)
-    return MemoryStore(reservation_ttl_s=s.reservation_ttl_s, cache_ttl_s=s.cache_ttl_s)
+        return RedisStore(s.url, s.key_prefix, s.timeout_s, s.reservation_ttl_s, s.cache_ttl_s, s.cache_max_entries)
+    return MemoryStore(reservation_ttl_s=s.reservation_ttl_s, cache_ttl_s=s.cache_ttl_s,
+                       cache_max_entries=s.cache_max_entries)

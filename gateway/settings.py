@@ -141,6 +141,7 @@ class StoreSettings(Strict):
     timeout_s: float = Field(0.25, gt=0, description="Time-out of every Redis call.")
     reservation_ttl_s: float = Field(60.0, gt=0, description="A reservation left by a dead process expires after this.")
     cache_ttl_s: float = Field(86_400.0, gt=0, description="Lifetime of cached upstream continuations.")
+    cache_max_entries: int = Field(10_000, ge=1, description="Most cached continuations kept (oldest dropped first).")
 
     @field_validator("url")
     @classmethod
@@ -177,6 +178,9 @@ class TenantSettings(Strict):
     rate_limits: RateLimitSettings = Field(default_factory=RateLimitSettings, description="Rate limits.")
     routing: RoutingOverride | None = Field(None, description="Routing override applied to every request.")
     allow_upstream: bool = Field(True, description="False: data never leaves the box.")
+    cache_scope: Literal["tenant", "shared"] = Field(
+        "tenant", description="Continuation cache: tenant (only this tenant's requests reuse its upstream text) or "
+        "shared (reused across every tenant that also says shared: they can tell what the others asked).")
     on_budget_exhausted: Literal["local", "refuse"] = Field(
         "local", description="local: keep answering from the local model; refuse: 429 insufficient_quota."
     )

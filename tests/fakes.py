@@ -17,6 +17,9 @@ class FakeTemplate:
     def render(self, messages: list[dict], continue_final: bool = False) -> str:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("" if continue_final else "assistant: ")
 
+    def render_parts(self, messages: list[dict], continue_final: bool = False) -> list[tuple[str, bool]]:
+        return [(self.render(messages, continue_final), False)]
+
 
 class FakeLocalModel:
     """Tokens are the strings in `vocab` (index 0 is EOS); tokenizing is greedy longest match.
@@ -35,7 +38,8 @@ class FakeLocalModel:
         self.prompt_length = 0
         self.forwards: list[list[int]] = []
 
-    def tokenize_prompt(self, text: str) -> list[int]:
+    def tokenize_prompt(self, parts: list[tuple[str, bool]]) -> list[int]:
+        text = "".join(part for part, _ in parts)
         self.prompt_length = len(text)
         return [1] * len(text)  # one dummy token per character; only the count matters
 
@@ -80,13 +84,14 @@ class FakeUpstream:
     fail: bool = False
     delay_s: float = 0.0
     available: bool = True
+    worst_case_s: float = 1.0
     calls: list[Handoff] = field(default_factory=list)
 
     def handoff(self, messages: list[dict], continue_final: bool = False) -> Handoff:
         return Handoff("", messages, "", continue_final)
 
-    def cache_key(self, handoff: Handoff, max_tokens: int) -> str:
-        return f"{handoff.answer}|{max_tokens}"
+    def cache_key(self, handoff: Handoff, max_tokens: int, scope: str) -> str:
+        return f"{scope}|{handoff.answer}|{max_tokens}"
 
     def estimate_prompt_tokens(self, handoff: Handoff) -> int:
         return 10 + len(handoff.answer)

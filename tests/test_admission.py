@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
+import time
 
 import httpx
 import openai
@@ -91,4 +94,34 @@ def test_parallel_slot_is_released_when_a_client_leaves_mid_stream(gateway):
         if retry.status_code != 503:
             break
         threading.Event().wait(0.2)
+    assert retry.status_code == 200, retry.text
+
+
+def solo_admitted_within(gateway, seconds: float) -> httpx.Response:
+    """Poll with the solo tenant (one parallel slot, no queue) until a request is served or time is up."""
+    deadline = time.monotonic() + seconds
+    while True:
+        retry = httpx.post(f"{gateway.base_url}/v1/chat/completions", headers={"Authorization": "Bearer sk-solo"},
+                           json={"model": "local", "messages": QUESTION, "max_tokens": 2}, timeout=60)
+        if retry.status_code == 200 or time.monotonic() > deadline:
+            return retry
+        time.sleep(0.1)
+
+
+def test_a_client_that_leaves_a_non_streaming_request_stops_its_decoding(gateway):
+    body = {"model": "local", "messages": QUESTION, "max_tokens": 1000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # ~15 s of decoding if nobody stopped it
+        httpx.post(f"{gateway.base_url}/v1/chat/completions", json=body, timeout=0.5,
+                   headers={"Authorization": "Bearer sk-solo"})
+    retry = solo_admitted_within(gateway, 2.0)
+    assert retry.status_code == 200, retry.text
+
+
+def test_a_stream_whose_client_leaves_before_the_first_event_frees_its_slot(gateway):
+    body = json.dumps({"model": "local", "messages": QUESTION, "max_tokens": 1000, "stream": True}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer sk-solo\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+        sock.sendall(head + body)  # and hang up without reading a byte
+    retry = solo_admitted_within(gateway, 2.0)
     assert retry.status_code == 200, retry.text

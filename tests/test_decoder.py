@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from adapters.store import Limits, MemoryStore
+from adapters.store import Limits, MemoryStore, StoreUnavailable
+from adapters.upstream import UpstreamRejected
 from gateway.budget import HandoffGate, Ledger
 from gateway.decoder import DecodeRequest, Decoding
 from policies import build_policy
@@ -141,3 +142,66 @@ async def test_budget_too_small_for_a_hand_off_is_reported():
     await run(decoding)
     assert upstream.calls == [] and decoding.usage.degraded == ["budget_exhausted"]
     assert decoding.source_counts()["local"] == len(decoding.answer_tokens)
+
+
+async def test_continuation_cache_is_scoped_to_the_tenant():
+    store = MemoryStore()
+    first, _ = make(FakeLocalModel(VOCAB, ""), FakeUpstream("Paris is nice."), store=store)
+    await run(first)
+    upstream = FakeUpstream("Paris is nice.")
+    other_tenant, _ = make(FakeLocalModel(VOCAB, ""), upstream, store=store)
+    other_tenant.gate = HandoffGate(Ledger(store), "u", Limits(), allowed=True)
+    await run(other_tenant)
+    assert upstream.calls and other_tenant.source_counts()["cache"] == 0
+
+
+async def test_tenants_that_share_a_cache_scope_reuse_each_other():
+    store = MemoryStore()
+    decodings = [make(FakeLocalModel(VOCAB, ""), FakeUpstream("Paris is nice."), store=store)[0] for _ in range(2)]
+    for tenant, decoding in zip("tu", decodings):
+        decoding.gate = HandoffGate(Ledger(store), tenant, Limits(), allowed=True, cache_scope="shared")
+        await run(decoding)
+    assert decodings[1].upstream.calls == [] and decodings[1].source_counts()["cache"] > 0
+
+
+async def test_a_store_outage_skips_one_hand_off_not_the_rest_of_the_request():
+    class BrieflyDown(MemoryStore):
+        reserves = 0
+
+        async def reserve(self, *args, **kwargs):
+            self.reserves += 1
+            if self.reserves == 1:
+                raise StoreUnavailable("scripted outage")
+            return await super().reserve(*args, **kwargs)
+
+    upstream = FakeUpstream("Paris is nice.")
+    decoding, _ = make(FakeLocalModel(VOCAB, "Paris is big."), upstream, store=BrieflyDown())
+    await run(decoding)
+    assert decoding.usage.degraded == ["store_unavailable"]
+    assert decoding.source_counts()["local"] == 1 and len(upstream.calls) > 1
+    invariant(decoding)
+
+
+async def test_a_rejected_hand_off_is_not_tried_again_in_the_request():
+    class Rejecting(FakeUpstream):
+        async def continue_text(self, handoff, *args):
+            self.calls.append(handoff)
+            raise UpstreamRejected("400: context length exceeded")
+
+    upstream = Rejecting("Paris")
+    decoding, _ = make(FakeLocalModel(VOCAB, "Paris is big."), upstream)
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is big." and len(upstream.calls) == 1
+    assert decoding.usage.degraded == ["upstream_rejected"]
+
+
+async def test_a_reservation_outlives_its_slowest_possible_call():
+    store = MemoryStore(reservation_ttl_s=60)
+    upstream = FakeUpstream("Paris", delay_s=5.0, worst_case_s=300.0)
+    decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, store=store)
+    task = asyncio.create_task(run(decoding))
+    await asyncio.sleep(0.1)
+    [(_, expires)] = store._held["t"].values()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert expires - time.time() >= 300.0

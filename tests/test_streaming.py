@@ -21,10 +21,13 @@ class BrokenDecoding:
         raise RuntimeError("llama.cpp exploded")
 
 
+async def no_slot(runtime) -> None:
+    """Admitted.leave of a request that holds no parallel slot."""
+
+
 async def test_error_after_the_stream_started_is_one_error_event():
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
-    tenant = SimpleNamespace(id="t", settings=SimpleNamespace(rate_limits=SimpleNamespace(max_parallel=None)))
-    admitted = SimpleNamespace(id="chatcmpl-x", created=0, body=body, tenant=tenant, decoding=BrokenDecoding())
+    admitted = SimpleNamespace(id="chatcmpl-x", created=0, body=body, leave=no_slot, decoding=BrokenDecoding())
     events = [event["data"] async for event in _stream(SimpleNamespace(), admitted)]
     assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
     error = json.loads(events[-1])
@@ -40,7 +43,6 @@ async def test_gateway_error_mid_stream_keeps_its_status_type():
             raise GatewayError("the local model stopped")
 
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
-    tenant = SimpleNamespace(id="t", settings=SimpleNamespace(rate_limits=SimpleNamespace(max_parallel=None)))
-    admitted = SimpleNamespace(id="chatcmpl-y", created=0, body=body, tenant=tenant, decoding=Refusing())
+    admitted = SimpleNamespace(id="chatcmpl-y", created=0, body=body, leave=no_slot, decoding=Refusing())
     events = [event["data"] async for event in _stream(SimpleNamespace(), admitted)]
     assert json.loads(events[-1])["error"]["message"] == "the local model stopped"

@@ -107,17 +107,19 @@ def test_redis_outage_degrades_to_local_and_recovers(smol_upstream, tmp_path):
 def test_shared_cache_answers_the_second_process_without_the_upstream(redis_url, tmp_path):
     """The upstream is a third (local-only) gateway, whose own request counter we can read.
 
-    The same counter shows that a tenant with upstream forbidden never reaches it.
+    The same counter shows that a tenant with upstream forbidden never reaches it, and that the
+    cache answers a tenant from its own entries only.
     """
     with live_gateway(gateway_config(None), tmp_path) as upstream:
         store = redis_store(redis_url)
         config = gateway_config(None, store=store)
-        config["tenants"].append({"id": "private", "api_key_env": "TEST_PRIVATE_KEY", "allow_upstream": False})
+        config["tenants"] += [{"id": "private", "api_key_env": "TEST_PRIVATE_KEY", "allow_upstream": False},
+                              {"id": "other", "api_key_env": "TEST_OTHER_KEY"}]
         config["upstreams"]["inner"] = {"model": "openai/local", "api_base": f"{upstream.base_url}/v1",
                                         "api_key_env": "TEST_DEMO_KEY", "mode": "chat_continue", "retries": 0}
         config["aliases"]["routed"] = {"local": "smol", "upstream": "inner", "routing": {"policy": "always", "span": 4}}
         second = {**config, "server": {**config["server"], "port": free_port()}}
-        env = {"TEST_PRIVATE_KEY": "sk-private"}
+        env = {"TEST_PRIVATE_KEY": "sk-private", "TEST_OTHER_KEY": "sk-other"}
         with live_gateway(config, tmp_path, env) as one, live_gateway(second, tmp_path, env) as two:
             def upstream_requests() -> int:
                 return httpx.get(f"{upstream.base_url}/v1/usage",
@@ -134,6 +136,9 @@ def test_shared_cache_answers_the_second_process_without_the_upstream(redis_url,
             private = ask(one, "sk-private", temperature=0.9, seed=5)  # not cacheable, and not allowed out
             assert upstream_requests() == after_first
             assert private.usage.model_extra["routing"]["upstream_calls"] == 0
+            stranger = ask(two, "sk-other", temperature=0)  # the same request from another tenant
+            assert upstream_requests() > after_first  # never served from the first tenant's cache
+            assert stranger.usage.model_extra["routing"]["cache_tokens"] == 0
     assert repeat.choices[0].message.content == first.choices[0].message.content
     routing = repeat.usage.model_extra["routing"]
     assert routing["cache_tokens"] == repeat.usage.completion_tokens and routing["upstream_calls"] == 0

@@ -1,0 +1,19 @@
+"""OpenAI's `param` from pydantic's error locations: always the field a client sent."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import param_of
+
+
+@pytest.mark.parametrize(("location", "param"), [
+    (("body", "messages", 0, "content"), "messages[0].content"),
+    (("messages", 0, "content", "str"), "messages[0].content"),  # pydantic's union member is no field
+    (("messages", 1, "content", "list[TextPart]", 0, "type"), "messages[1].content[0].type"),
+    (("routing", "threshold"), "routing.threshold"),
+    (("",), ""),  # an unknown key that is the empty string is still named
+    ((), None),
+])
+def test_param_names_the_field_the_client_sent(location, param):
+    assert param_of(location) == param
