@@ -1,0 +1,222 @@
+"""Fuzz a live gateway with schemathesis from two OpenAPI descriptions (positive mode: bodies the schema accepts).
+
+(a) OpenAI's published description of chat completions (tests/data/openai-chat-completions.openapi.json,
+    narrowed for fuzzing, see tests/data/README.md): POST /chat/completions against <gateway>/v1;
+(b) the gateway's own /openapi.json: every operation it describes, none skipped.
+
+The property: no response is a 5xx (schemathesis' `not_a_server_error`) and every non-2xx response has
+OpenAI's error shape {"error": {"message", "type", "param", "code"}}; for (a), whose bodies OpenAI
+accepts, a 400 must also name the refused field in `param`. The share of (a)'s requests that were
+served (2xx) is printed, not asserted. Fixed seed, bounded examples, loopback only: schemathesis is
+given the specs as data and fetches nothing itself.
+
+Run alone with: .venv/bin/python -m pytest tests/test_openapi_fuzz.py -q -s
+A longer run: .venv/bin/python -m bench.openapi_fuzz --examples 500
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import seed as hypothesis_seed
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.core.result import Err
+from schemathesis.errors import FailureGroup
+
+from tests.conftest import DEMO_KEY, LiveGateway, gateway_config, live_gateway
+
+pytestmark = pytest.mark.integration
+
+OPENAI_SPEC = Path(__file__).resolve().parent / "data" / "openai-chat-completions.openapi.json"
+# The narrowed OpenAI spec's `model` enum; the fuzz gateway serves both names, local only.
+ALIASES = ("smollm2-routed", "smollm2-local")
+AUTH = {"Authorization": f"Bearer {DEMO_KEY}"}
+SEED = 20261130
+OPENAI_EXAMPLES = 60
+GATEWAY_EXAMPLES = 40
+REQUEST_TIMEOUT_S = 60
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+def fuzz_gateway_config() -> dict:
+    """The test gateway's config: no upstream, the OpenAI spec's model names as local-only aliases."""
+    aliases = {name: {"local": "smol", "routing": {"policy": "never"}} for name in ALIASES}
+    config = gateway_config(None, aliases=aliases)
+    # short answers: the gateway's own schema allows max_tokens up to the limit, and none means the default
+    config["server"].update(default_max_tokens=8, max_tokens_limit=16)
+    return config
+
+
+@contextlib.contextmanager
+def fuzz_gateway(tmp: Path) -> Iterator[LiveGateway]:
+    with live_gateway(fuzz_gateway_config(), tmp) as gateway:
+        yield gateway
+
+
+def openai_error_shape(ctx, response, case) -> bool | None:
+    """A schemathesis check: a non-2xx response is exactly OpenAI's error envelope."""
+    if 200 <= response.status_code < 300:
+        return None
+    try:
+        body = json.loads(response.content)
+    except ValueError as exc:
+        raise AssertionError(f"{response.status_code} with a non-JSON body: {response.content[:300]!r}") from exc
+    assert isinstance(body, dict) and set(body) == {"error"}, f"not an error envelope: {body!r}"
+    error = body["error"]
+    assert isinstance(error, dict) and set(error) == ERROR_KEYS, f"error keys are not {sorted(ERROR_KEYS)}: {body!r}"
+    assert isinstance(error["message"], str) and error["message"], f"empty error message: {body!r}"
+    assert isinstance(error["type"], str) and error["type"], f"error type is not a string: {body!r}"
+    assert error["param"] is None or isinstance(error["param"], str), f"param is not a string or null: {body!r}"
+    assert error["code"] is None or isinstance(error["code"], str), f"code is not a string or null: {body!r}"
+    return None
+
+
+def names_param_on_400(ctx, response, case) -> bool | None:
+    """A schemathesis check for bodies OpenAI accepts: a 400 refusing one names the field in `param`."""
+    if response.status_code == 400:
+        try:
+            error = json.loads(response.content)["error"]
+            param = error["param"]
+        except (ValueError, TypeError, KeyError):
+            return None  # not an error envelope at all: openai_error_shape reports it
+        assert param is not None, f"400 without `param`: {error!r}"  # "" is a field name too
+    return None
+
+
+@dataclass
+class FuzzReport:
+    """What one fuzz run saw: statuses per operation, refused params, and every check failure."""
+
+    name: str
+    statuses: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    refused_params: Counter = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+
+    def record(self, label: str, status: int, content: bytes) -> None:
+        self.statuses[label][status] += 1
+        if 400 <= status < 500:
+            with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+                self.refused_params[f"{status} {json.loads(content)['error']['param']}"] += 1
+
+    def by_status(self, label: str | None = None) -> Counter:
+        if label is not None:
+            return self.statuses[label]
+        return sum(self.statuses.values(), Counter())
+
+    def total(self, label: str | None = None) -> int:
+        return sum(self.by_status(label).values())
+
+    def served(self, label: str | None = None) -> int:
+        return sum(n for status, n in self.by_status(label).items() if 200 <= status < 300)
+
+    def server_errors(self, label: str | None = None) -> int:
+        return sum(n for status, n in self.by_status(label).items() if status >= 500)
+
+    def summary(self) -> str:
+        lines = [f"[{self.name}] {self.total()} requests, {self.served()} served (2xx) "
+                 f"= {self.served() / max(1, self.total()):.1%}, 5xx: {self.server_errors()}, "
+                 f"check failures: {len(self.failures)}"]
+        for label in sorted(self.statuses):
+            counts = ", ".join(f"{status}: {n}" for status, n in sorted(self.statuses[label].items()))
+            lines.append(f"  {label}: {self.total(label)} requests ({counts}), "
+                         f"2xx share {self.served(label) / max(1, self.total(label)):.1%}")
+        if self.refused_params:
+            top = ", ".join(f"{key} x{n}" for key, n in self.refused_params.most_common(12))
+            lines.append(f"  refusals by status and param: {top}")
+        return "\n".join(lines)
+
+
+def load_openai_spec(config: schemathesis.Config | None = None):
+    """(a): OpenAI's description, only POST /chat/completions; servers are given per call, not fetched."""
+    schema = schemathesis.openapi.from_path(OPENAI_SPEC, config=config or schemathesis.Config())
+    return schema.include(method="POST", path="/chat/completions")
+
+
+def load_gateway_spec(base_url: str, config: schemathesis.Config | None = None):
+    """(b): the gateway's own /openapi.json, fetched here over loopback and handed over as data."""
+    raw = httpx.get(f"{base_url}/openapi.json", timeout=30, trust_env=False).raise_for_status().json()
+    return schemathesis.openapi.from_dict(raw, config=config or schemathesis.Config())
+
+
+def fuzz(schema, base_url: str, *, name: str, examples: int, seed: int = SEED,
+         extra_checks: tuple = ()) -> FuzzReport:
+    """Send up to `examples` positive cases per operation of `schema` to `base_url`; record, never stop early."""
+    report = FuzzReport(name)
+    checks = [not_a_server_error, openai_error_shape, *extra_checks]
+    operations = []
+    for result in schema.get_all_operations():
+        if isinstance(result, Err):
+            raise result.err()  # an operation schemathesis cannot use is a failure, not a skip
+        operations.append(result.ok())
+    assert operations, f"{name}: the spec describes no operations"
+    with requests.Session() as session:
+        session.trust_env = False  # loopback only: no proxies from the environment
+        for operation in operations:
+            strategy = operation.as_strategy(generation_mode=GenerationMode.POSITIVE)
+
+            @hypothesis_seed(seed)
+            @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
+                      suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet)
+            @given(case=strategy)
+            def one(case) -> None:
+                response = case.call(base_url=base_url, session=session, headers=dict(AUTH),
+                                     timeout=REQUEST_TIMEOUT_S)
+                report.record(operation.label, response.status_code, response.content)
+                try:
+                    case.validate_response(response, checks=checks, headers=dict(AUTH))
+                except FailureGroup as group:
+                    reasons = "; ".join(f"{type(exc).__name__}: {exc}" for exc in group.exceptions)
+                    report.failures.append(
+                        f"{operation.label} -> {response.status_code}\n  reasons: {reasons}\n"
+                        f"  request body: {_json_or_repr(case.body)}\n"
+                        f"  response: {response.content[:1000].decode('utf-8', 'replace')}")
+
+            one()
+    return report
+
+
+def _json_or_repr(value) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)[:2000]
+    except (TypeError, ValueError):
+        return repr(value)[:2000]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    with fuzz_gateway(tmp_path_factory.mktemp("openapi-fuzz")) as gateway:
+        yield gateway
+
+
+def show(capsys, report: FuzzReport) -> None:
+    """The summary goes to the terminal even when pytest captures output (the 2xx share is reported, not asserted)."""
+    with capsys.disabled():
+        print("\n" + report.summary())
+
+
+def test_openai_published_spec_positive_cases(gateway, capsys):
+    report = fuzz(load_openai_spec(), f"{gateway.base_url}/v1", name="openai spec", examples=OPENAI_EXAMPLES,
+                  extra_checks=(names_param_on_400,))
+    show(capsys, report)
+    assert report.total() >= OPENAI_EXAMPLES // 2, report.summary()  # hypothesis really generated cases
+    assert not report.failures, "\n\n".join(report.failures[:10])
+
+
+def test_gateway_own_spec_positive_cases(gateway, capsys):
+    schema = load_gateway_spec(gateway.base_url)
+    report = fuzz(schema, gateway.base_url, name="gateway spec", examples=GATEWAY_EXAMPLES)
+    show(capsys, report)
+    described = {result.ok().label for result in schema.get_all_operations()}
+    assert set(report.statuses) == described, f"operations never called: {described - set(report.statuses)}"
+    assert not report.failures, "\n\n".join(report.failures[:10])
