@@ -43,7 +43,7 @@ def llama_greedy(llm: Llama, tokens: list[int], count: int) -> float:
 async def decoder_never(local: LocalModel, count: int) -> float:
     request = DecodeRequest(messages=PROMPT, max_tokens=count, policy=build_policy("never"))
     decoding = Decoding(local, None, HandoffGate(Ledger(MemoryStore()), "bench", Limits(), allowed=False), request)
-    local._held = []  # noqa: SLF001 - start cold, as llama_greedy does after reset()
+    local.engine.forget()  # start cold, as llama_greedy does after reset()
     started = time.perf_counter()
     async for _ in decoding.pieces():
         pass
@@ -76,8 +76,8 @@ async def main() -> None:
     for _ in range(args.rounds):
         baseline.append(llama_greedy(llm, tokens, args.tokens))
         ours.append(await decoder_never(local, args.tokens))
-    async with local.lease() as lease:
-        logits = await lease.forward(tokens)
+    async with local.sequence(tokens) as sequence:
+        logits = await sequence.forward(tokens)
     per_step = signal_and_policy_seconds(logits)
     step = 1.0 / statistics.median(ours)
     print(f"model {args.model}, {args.tokens} tokens, {args.threads} threads, {args.rounds} alternating rounds")

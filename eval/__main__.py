@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--configs", nargs="*", default=[], help="local, upstream, oracle, <policy>@<value>")
     run.add_argument("--configs-from", type=Path, help="a `calibrate` snippet: run each of its routings")
     run.add_argument("--configs-keys", nargs="*", help="only these entries of the --configs-from snippet")
+    run.add_argument("--parallel", type=int, default=1,
+                     help="items decoded at once in the local model's batched engine (default 1)")
     run.add_argument("--upstream", default=UPSTREAM, help=f"upstream model (default {UPSTREAM})")
     run.add_argument("--upstream-api-base", help="use this running /v1 completions server instead of launching one")
     run.add_argument("--max-tokens", type=int, help=f"answer length limit (default {MAX_TOKENS})")
@@ -115,7 +117,7 @@ def _run(args: argparse.Namespace) -> int:
     items = load_items(args.dataset, args.data, args.rows)
     run_dir = args.runs_dir / args.run_name
     max_tokens = args.max_tokens or MAX_TOKENS[args.dataset]
-    plan = RunPlan(args.dataset, items, ordered(specs), run_dir, max_tokens, args.block)
+    plan = RunPlan(args.dataset, items, ordered(specs), run_dir, max_tokens, args.block, args.parallel)
     todo = pending(plan)
     total = sum(len(ids) for ids in todo.values())
     print(f"{args.dataset}: {len(items)} items x {len(plan.configs)} configs, {total} to decode -> {run_dir}")
@@ -132,7 +134,8 @@ async def _run_async(args: argparse.Namespace, plan: Any, total: int) -> dict[st
 
     _quiet_unclosed_sessions()
     options = ModelOptions(args.local, args.upstream, args.n_ctx, args.threads, args.input_usd_per_mtok,
-                           args.output_usd_per_mtok, upstream_api_base=args.upstream_api_base)
+                           args.output_usd_per_mtok, upstream_api_base=args.upstream_api_base,
+                           parallel=args.parallel)
     models = await open_models(options, with_upstream=any(s.uses_upstream for s in plan.configs))
     try:
         with tqdm(total=total, unit="item", mininterval=2.0, dynamic_ncols=True) as bar:

@@ -91,9 +91,9 @@ async def local_mismatches(local: LocalModel, prompt: list[int], reference: list
     model would have gone on instead of stopping there.
     """
     mismatch = []
-    async with local.lease() as lease:
+    async with local.sequence(prompt) as sequence:
         for index in range(len(reference) + (1 if ended else 0)):
-            greedy = int(np.argmax(await lease.forward(prompt + reference[:index])))
+            greedy = int(np.argmax(await sequence.forward(prompt + reference[:index])))
             if index < len(reference):
                 mismatch.append(greedy != reference[index])
             else:

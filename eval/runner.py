@@ -1,12 +1,14 @@
 """Run a dataset through the real decoder for several configurations, resumably.
 
-Each item goes through every config before the next item starts, so a run stopped at any point
-has all configs on the same items (give or take the one in flight). Each finished item is
-one JSONL line; items already recorded are skipped, so the same command resumes a run.
+Each item goes through every config in turn, so a run stopped at any point has all configs on the
+same items (give or take those in flight). With `parallel` > 1 that many items decode at once, on
+sequences of their own in the local model's batched engine. Each finished item is one JSONL
+line; items already recorded are skipped, so the same command resumes a run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from collections.abc import Callable
@@ -40,6 +42,7 @@ class RunPlan:
     run_dir: Path
     max_tokens: int
     block: int = 25
+    parallel: int = 1  # items decoded at once
 
 
 def pending(plan: RunPlan) -> dict[str, set[str]]:
@@ -80,23 +83,35 @@ def _forcer(models: Models, plan: RunPlan) -> TeacherForcer | None:
 
 async def _run_blocks(plan: RunPlan, models: Models, todo: dict[str, set[str]], references: dict[str, Any],
                       forcer: TeacherForcer | None, on_item: Callable[[str], None]) -> None:
+    lanes = asyncio.Semaphore(plan.parallel)
+
+    async def one_item(item: Item) -> bool:
+        async with lanes:
+            return await _run_item(plan, models, item, todo, references, forcer, on_item)
+
     for start in range(0, len(plan.items), plan.block):
-        decoded = False
-        for item in plan.items[start:start + plan.block]:
-            for spec in plan.configs:
-                if item.id not in todo[spec.name]:
-                    continue
-                record = await evaluate(models, plan, spec, item, references.get(item.id), forcer)
-                if spec.uses_upstream and "upstream_unavailable" in record["degraded"]:
-                    # a dead upstream would quietly turn the config into local-only: stop instead
-                    raise RuntimeError(f"upstream unavailable at {spec.name} item {item.id}; rerun to resume")
-                append_record(records_path(plan.run_dir, plan.dataset, spec.name), record)
-                if spec.policy == "always":
-                    references[item.id] = record
-                decoded = True
-                on_item(spec.name)
-        if decoded:
+        decoded = await asyncio.gather(*(one_item(item) for item in plan.items[start:start + plan.block]))
+        if any(decoded):
             write_summary(plan.run_dir)
+
+
+async def _run_item(plan: RunPlan, models: Models, item: Item, todo: dict[str, set[str]], references: dict[str, Any],
+                    forcer: TeacherForcer | None, on_item: Callable[[str], None]) -> bool:
+    """Every pending config of one item, in order (the oracle needs the upstream's answer first)."""
+    decoded = False
+    for spec in plan.configs:
+        if item.id not in todo[spec.name]:
+            continue
+        record = await evaluate(models, plan, spec, item, references.get(item.id), forcer)
+        if spec.uses_upstream and "upstream_unavailable" in record["degraded"]:
+            # a dead upstream would quietly turn the config into local-only: stop instead
+            raise RuntimeError(f"upstream unavailable at {spec.name} item {item.id}; rerun to resume")
+        append_record(records_path(plan.run_dir, plan.dataset, spec.name), record)
+        if spec.policy == "always":
+            references[item.id] = record
+        decoded = True
+        on_item(spec.name)
+    return decoded
 
 
 def write_summary(run_dir: Path) -> dict[str, Any]:

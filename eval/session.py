@@ -44,12 +44,14 @@ class ModelOptions:
     output_usd_per_mtok: float = 1.5
     timeout_s: float = 300.0
     upstream_api_base: str | None = None  # an already running completions server: launch none
+    parallel: int = 1  # sequences of the local model's engine (items decoded at once)
 
 
 async def open_models(options: ModelOptions, with_upstream: bool) -> Models:
     """Load the local model and, if asked, start and warm the upstream server (or use the given one)."""
     local_path = resolve_model(options.local, fetch=True)
-    local = await LocalModel.load(local_path, options.n_ctx, options.threads, n_batch=256, queue_limit=4)
+    local = await LocalModel.load(local_path, options.n_ctx, options.threads, n_batch=256,
+                                  queue_limit=options.parallel, parallel=options.parallel)
     if not with_upstream:
         return Models(local, None, None, local_path)
     server = None

@@ -4,8 +4,13 @@ Per step: local logits -> signal -> policy decision -> token(s) -> piece. A LOCA
 from the local model. An UPSTREAM step hands the partial answer to the large model, which
 writes up to `span` tokens of text; that text is re-tokenized with the local tokenizer and
 appended (rewinding to the common prefix where the boundary re-merges), and local decoding
-carries on. The local model is leased only while it decodes, so other requests use it while this
-one waits for its upstream. A failed or refused hand-off decodes the step locally instead.
+carries on. A failed or refused hand-off decodes the step locally instead.
+
+Each request decodes on a sequence of its own in the local model's batched engine, in a task that
+never waits for its consumer. While a greedy request's hand-off is in flight it keeps decoding
+the local model's own greedy guess; if the upstream writes what the guess began with, the rest of
+the guess is kept (each kept step still passes the policy, as it would have in turn), otherwise it
+is dropped and the next forward rewinds the sequence.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from adapters.kv_snapshots import common_prefix
+from adapters.engine import Sequence, common_prefix
 from adapters.local_model import LocalModel
 from adapters.store import Billed
 from adapters.upstream import Continuation, Handoff, Upstream, UpstreamRejected, UpstreamUnavailable
@@ -29,6 +34,8 @@ from gateway.text_stream import TextReleaser
 from policies import Policy, Route, RoutingState, Signal
 
 LOCAL, UPSTREAM, CACHE = "local", "upstream", "cache"
+GUESS_LIMIT = 8  # most local tokens guessed ahead while a hand-off is in flight
+_END = object()  # the producer's last item
 RESERVATION_MARGIN_S = 30.0  # a reservation outlives its call's worst case by this much
 log = logging.getLogger("gateway.decoder")
 
@@ -64,6 +71,16 @@ class DecodeRequest:
     continue_final: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    guess_ahead: int = GUESS_LIMIT  # 0: wait idle during hand-offs
+
+
+@dataclass(frozen=True)
+class Guess:
+    """A greedy local token decoded while a hand-off was in flight, with what the step saw."""
+
+    token: int
+    logits: np.ndarray
+    signal: Signal
 
 
 @dataclass
@@ -71,6 +88,7 @@ class RoutingUsage:
     """Per-request accounting, as returned in `usage.routing`."""
 
     policy: str
+    guess_kept_tokens: int = 0  # local tokens decoded during hand-offs and kept
     upstream_calls: int = 0
     upstream_prompt_tokens: int = 0
     upstream_completion_tokens: int = 0
@@ -110,25 +128,41 @@ class Decoding:
         return {name: self.sources.count(name) for name in (LOCAL, UPSTREAM, CACHE)}
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        """The answer, piece by piece; the last piece releases any text still held back."""
-        if self.upstream is not None and not self.gate.allowed:  # settled at admission
-            self._upstream_closed = True
-            self.usage.degrade(self.gate.refusal)
-        while self.finish_reason is None:
-            logits, signal, route = None, None, Route.LOCAL
-            async with self.local.lease() as lease:
+        """The answer, piece by piece; the last piece releases any text still held back.
+
+        Decoding runs in a task of its own that never waits for the consumer, so a slow client
+        cannot hold up the engine's batch; closing this iterator cancels it."""
+        queue: asyncio.Queue = asyncio.Queue()
+        producer = asyncio.ensure_future(self._produce(queue.put_nowait))
+        try:
+            while (item := await queue.get()) is not _END:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+
+    async def _produce(self, emit) -> None:
+        try:
+            if self.upstream is not None and not self.gate.allowed:  # settled at admission
+                self._upstream_closed = True
+                self.usage.degrade(self.gate.refusal)
+            async with self.local.sequence(self.prompt_tokens) as sequence:
                 while self.finish_reason is None:
-                    logits = await lease.forward(self.prompt_tokens + self.answer_tokens)
+                    logits = await sequence.forward(self.prompt_tokens + self.answer_tokens)
                     signal = signal_of(logits, len(self.answer_tokens))
-                    route = self._decide(signal)
-                    if route is Route.UPSTREAM:
-                        break
-                    yield self._local_step(logits, signal)
-            if route is Route.UPSTREAM:
-                yield await self._upstream_step(logits, signal)
-        tail = self.text.finish()
-        if tail:
-            yield Piece(tail, (), self.sources[-1] if self.sources else LOCAL, None)
+                    if self._decide(signal) is Route.UPSTREAM:
+                        for piece in await self._upstream_step(sequence, logits, signal):
+                            emit(piece)
+                    else:
+                        emit(self._local_step(logits, signal))
+            tail = self.text.finish()
+            if tail:
+                emit(Piece(tail, (), self.sources[-1] if self.sources else LOCAL, None))
+            emit(_END)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            emit(exc)
 
     # -- one step --
 
@@ -152,7 +186,10 @@ class Decoding:
         return Route.UPSTREAM
 
     def _local_step(self, logits: np.ndarray, signal: Signal) -> Piece:
-        token = sample(logits, self.request.sampling, self._rng)
+        return self._accept(sample(logits, self.request.sampling, self._rng), logits, signal)
+
+    def _accept(self, token: int, logits: np.ndarray, signal: Signal) -> Piece:
+        """Append a local token (or finish on an end-of-generation token)."""
         if self.local.is_end_of_generation(token):
             self.finish_reason = "stop"
             return Piece("", (), LOCAL, signal)
@@ -165,20 +202,59 @@ class Decoding:
         self._check_end()
         return Piece(text, (token,), LOCAL, signal, logprobs)
 
-    async def _upstream_step(self, logits: np.ndarray, signal: Signal) -> Piece:
+    async def _upstream_step(self, sequence: Sequence, logits: np.ndarray, signal: Signal) -> list[Piece]:
         span = max(1, min(self.request.span, self.limit - len(self.answer_tokens)))
         handoff = dataclasses.replace(self._handoff, answer=self.text.text)
-        got = await self._continuation(handoff, span)
+        call = asyncio.ensure_future(self._continuation(handoff, span))
+        try:
+            guesses = await self._guess(sequence, logits, signal, call)
+            got = await call
+        except BaseException:
+            call.cancel()
+            raise
+        before = list(self.answer_tokens)
         if got is None or (not got[0] and not got[1]):
-            return self._local_step(logits, signal)
-        text, finished, source = got
+            pieces = [self._local_step(logits, signal)]
+        else:
+            pieces = [await self._append_upstream(sequence, *got, signal)]
+        return pieces + self._keep_guesses(before, guesses)
+
+    async def _append_upstream(self, sequence: Sequence, text: str, finished: bool, source: str,
+                               signal: Signal) -> Piece:
         first_new, added = self._append_text(text, source)
         delta = self.text.feed(added)
         if finished:
             self.finish_reason = "stop"
         self._check_end()
-        logprobs = await self._score(first_new) if self.request.logprobs else ()
+        logprobs = await self._score(sequence, first_new) if self.request.logprobs else ()
         return Piece(delta, tuple(self.answer_tokens[first_new:]), source, signal, logprobs)
+
+    async def _guess(self, sequence: Sequence, logits: np.ndarray, signal: Signal, call: asyncio.Future) -> list[Guess]:
+        """Greedy local tokens from this step on, decoded until the hand-off `call` is done."""
+        guessing = self.request.sampling.greedy and self.request.guess_ahead > 0
+        guesses = [Guess(int(np.argmax(logits)), logits, signal)] if guessing else []
+        while guesses and not call.done() and len(guesses) <= self.request.guess_ahead:
+            if self.local.is_end_of_generation(guesses[-1].token) or len(self.answer_tokens) + len(guesses) >= self.limit:
+                break
+            ahead = await sequence.forward(self.prompt_tokens + self.answer_tokens + [g.token for g in guesses])
+            guesses.append(Guess(int(np.argmax(ahead)), ahead, signal_of(ahead, len(self.answer_tokens) + len(guesses))))
+        sequence.pause()  # until the hand-off returns: the engine must not wait for this request
+        return guesses
+
+    def _keep_guesses(self, before: list[int], guesses: list[Guess]) -> list[Piece]:
+        """The guessed steps after what the hand-off wrote, if it wrote what the guess began with."""
+        written = self.answer_tokens[len(before):]
+        guessed = [g.token for g in guesses]
+        if self.finish_reason is not None or self.answer_tokens[:len(before)] != before or \
+                not written or guessed[:len(written)] != written:
+            return []
+        pieces, answered = [], len(self.answer_tokens)
+        for guess in guesses[len(written):]:
+            if self.finish_reason is not None or self._decide(guess.signal) is Route.UPSTREAM:
+                break
+            pieces.append(self._accept(guess.token, guess.logits, guess.signal))
+        self.usage.guess_kept_tokens += len(self.answer_tokens) - answered
+        return pieces
 
     async def _continuation(self, handoff: Handoff, span: int) -> tuple[str, bool, str] | None:
         """(text, finished, source) from the cache or the upstream; None to decode locally."""
@@ -261,11 +337,10 @@ class Decoding:
         entries = tuple((int(t), self.local.token_bytes(int(t)), float(logp[t])) for t in top)
         return TokenLogprob(token, self.local.token_bytes(token), float(logp[token]), entries)
 
-    async def _score(self, first: int) -> tuple[TokenLogprob, ...]:
+    async def _score(self, sequence: Sequence, first: int) -> tuple[TokenLogprob, ...]:
         """The local model's logprobs for answer tokens from `first` on (written upstream)."""
         scored = []
-        async with self.local.lease() as lease:
-            for index in range(first, len(self.answer_tokens)):
-                logits = await lease.forward(self.prompt_tokens + self.answer_tokens[:index])
-                scored.append(self._logprob(logits, self.answer_tokens[index]))
+        for index in range(first, len(self.answer_tokens)):
+            logits = await sequence.forward(self.prompt_tokens + self.answer_tokens[:index])
+            scored.append(self._logprob(logits, self.answer_tokens[index]))
         return tuple(scored)

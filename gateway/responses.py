@@ -21,6 +21,7 @@ def usage_of(admitted: Admitted) -> dict[str, Any]:
             "local_tokens": counts["local"],
             "upstream_tokens": counts["upstream"],
             "cache_tokens": counts["cache"],
+            "guess_kept_tokens": routing.guess_kept_tokens,
             "upstream_calls": routing.upstream_calls,
             "upstream_prompt_tokens": routing.upstream_prompt_tokens,
             "upstream_completion_tokens": routing.upstream_completion_tokens,

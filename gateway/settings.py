@@ -37,9 +37,10 @@ class LocalModelSettings(Strict):
     gguf: str = Field(..., description="Catalog name (see adapters/model_files.py) or a path to a GGUF file.")
     n_ctx: int = Field(4096, ge=256, description="Context length of the llama.cpp context.")
     n_threads: int = Field(2, ge=1, description="llama.cpp threads; keep at or below the free cores.")
-    n_batch: int = Field(256, ge=1, description="Prompt-processing batch size.")
-    prefix_cache_mb: int = Field(
-        128, ge=0, description="Memory for KV snapshots of prompt prefixes (system prompts) reused across requests.")
+    n_batch: int = Field(256, ge=16, description="Most tokens one engine step evaluates (decode steps plus prefill).")
+    parallel: int = Field(
+        4, ge=1, le=64, description="Requests the engine decodes at once (sequences in one KV cache of "
+        "parallel x n_ctx cells); more wait in the queue.")
 
 
 class LaunchSettings(Strict):

@@ -26,13 +26,16 @@ class FakeLocalModel:
 
     The model "wants" to write `target`: its logits peak on the longest vocab entry that
     continues the answer towards `target` (EOS once it is written or off track). At answer
-    positions in `uncertain_at` the distribution is flat (high entropy).
+    positions in `uncertain_at` the distribution is flat (high entropy), leaning by `lean` towards
+    that token (so a greedy guess there still follows `target`).
     """
 
-    def __init__(self, vocab: list[str], target: str, uncertain_at: frozenset[int] = frozenset(), n_ctx: int = 512):
+    def __init__(self, vocab: list[str], target: str, uncertain_at: frozenset[int] = frozenset(), n_ctx: int = 512,
+                 lean: float = 0.0):
         self.vocab = [EOS, *vocab]
         self.target = target
         self.uncertain_at = uncertain_at
+        self.lean = lean
         self.n_ctx = n_ctx
         self.template = FakeTemplate()
         self.prompt_length = 0
@@ -59,19 +62,21 @@ class FakeLocalModel:
         return token == 0
 
     @contextlib.asynccontextmanager
-    async def lease(self):
+    async def sequence(self, prompt: list[int]):
         yield self
+
+    def pause(self) -> None:
+        return None
 
     async def forward(self, tokens: list[int]) -> np.ndarray:
         self.forwards.append(list(tokens))
         answer = tokens[self.prompt_length:]
         written = "".join(self.vocab[t] for t in answer)
         logits = np.zeros(len(self.vocab), dtype=np.float32)
-        if len(answer) in self.uncertain_at:
-            return logits
         rest = self.target[len(written):] if self.target.startswith(written) else ""
         options = [i for i in range(1, len(self.vocab)) if rest and rest.startswith(self.vocab[i])]
-        logits[max(options, key=lambda i: len(self.vocab[i])) if options else 0] = 20.0
+        best = max(options, key=lambda i: len(self.vocab[i])) if options else 0
+        logits[best] = self.lean if len(answer) in self.uncertain_at else 20.0
         return logits
 
 

@@ -23,6 +23,7 @@ KEYS = {"TEST_TPM_KEY": "sk-tpm", "TEST_NARROW_KEY": "sk-narrow", "TEST_SOLO_KEY
 def gateway(smol_upstream, tmp_path_factory):
     config = gateway_config(smol_upstream)
     config["server"]["queue_limit"] = 0  # no waiting: a second request while one decodes gets 503
+    config["models"]["local"]["smol"]["parallel"] = 1
     config["tenants"] += [
         {"id": "tpm", "api_key_env": "TEST_TPM_KEY", "rate_limits": {"tokens_per_minute": 120}},
         {"id": "narrow", "api_key_env": "TEST_NARROW_KEY", "aliases": ["local"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from adapters.store import Limits, MemoryStore, StoreUnavailable
 from adapters.upstream import UpstreamRejected
 from gateway.budget import HandoffGate, Ledger
 from gateway.decoder import DecodeRequest, Decoding
+from gateway.signals import Sampling
 from policies import build_policy
 from tests.fakes import FakeLocalModel, FakeUpstream
 
@@ -205,3 +207,33 @@ async def test_a_reservation_outlives_its_slowest_possible_call():
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert expires - time.time() >= 300.0
+
+
+async def test_a_guess_the_upstream_confirms_is_kept():
+    local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({0}), lean=1.0)
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=5, delay_s=0.2)
+    decoding, _ = make(local, upstream, policy="entropy", threshold=1.0)
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is nice." and len(upstream.calls) == 1
+    assert decoding.usage.guess_kept_tokens == 3  # " is", " nice", "." decoded while "Paris" was upstream
+    assert decoding.source_counts() == {"local": 3, "upstream": 1, "cache": 0}
+    invariant(decoding)
+
+
+async def test_a_guess_the_upstream_contradicts_is_rolled_back():
+    local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({2}), lean=1.0)
+    upstream = FakeUpstream("Paris is big.", chars_per_token=4, delay_s=0.2)
+    decoding, _ = make(local, upstream, policy="entropy", threshold=1.0)
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is big" and decoding.usage.guess_kept_tokens == 0  # " nice." was guessed, then dropped
+    assert local.forwards[-1] == [1] * local.prompt_length + local.tokenize_text(b"Paris is big")
+    invariant(decoding)
+
+
+async def test_sampled_requests_do_not_guess():
+    local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({0}), lean=1.0)
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=5, delay_s=0.2)
+    decoding, _ = make(local, upstream, policy="entropy", threshold=1.0)
+    decoding.request = dataclasses.replace(decoding.request, sampling=Sampling(temperature=0.7), seed=1)
+    await run(decoding)
+    assert decoding.usage.guess_kept_tokens == 0 and len(local.forwards) == len(decoding.answer_tokens) + 1

@@ -62,7 +62,7 @@ def greedy_reference(path, local: LocalModel, prompt: str, max_tokens: int) -> l
 
 @pytest.fixture
 async def local(smol_path):
-    model = await LocalModel.load(smol_path, n_ctx=2048, n_threads=1, n_batch=256, queue_limit=4)
+    model = await LocalModel.load(smol_path, n_ctx=2048, n_threads=1, n_batch=256, queue_limit=4, parallel=2)
     yield model
     model.close()
 
@@ -95,8 +95,8 @@ async def first_divergence_is_a_near_tie(local: LocalModel, prompt: str, ours: l
     """
     index = next(i for i, (a, b) in enumerate(zip(ours, reference)) if a != b)
     prompt_tokens = local.tokenize_prompt(local.template.render_parts([{"role": "user", "content": prompt}]))
-    async with local.lease() as lease:
-        logits = await lease.forward(prompt_tokens + reference[:index])
+    async with local.sequence(prompt_tokens) as sequence:
+        logits = await sequence.forward(prompt_tokens + reference[:index])
     return abs(float(logits[reference[index]] - logits[ours[index]])) < 0.1
 
 
@@ -167,7 +167,7 @@ async def test_upstream_killed_mid_answer_completes_locally(local, smol_path):
 
 
 async def test_local_model_is_free_while_a_request_waits_for_upstream(local, smol_upstream):
-    """A local-only request finishes while a routed one is between upstream calls."""
+    """A local-only request decodes and finishes on its own sequence while a routed one waits for its upstream."""
     upstream = upstream_for(smol_upstream, SMOL)
     routed = asyncio.create_task(decode(local, upstream, "always", PROMPTS[0], max_tokens=24))
     await asyncio.sleep(0.3)

@@ -1,0 +1,310 @@
+"""The batched local engine: one llama.cpp context decodes every request's sequence together.
+
+Each request owns a sequence (a slot) for its lifetime. `Sequence.forward(tokens)` asks the engine
+to make that sequence hold exactly `tokens` and returns the next-token logits. One worker thread
+runs the step loop: it gathers the forwards of every sequence that is ready, rewinds each one to
+its common prefix (removing only that sequence's KV entries), and evaluates them all in one
+`llama_decode`: one token per decoding sequence plus a bounded chunk of pending prompt prefill, so
+a long prompt never stalls the others. A sequence waiting for its upstream submits nothing (it
+leaves the batch, saying so with `pause()`) and its KV entries stay where they are.
+
+Finished sequences keep their tokens: a new request takes the free slot that shares the longest
+prefix with its prompt, and a longer prefix held by any other sequence (a common system prompt)
+is copied with `llama_memory_seq_cp`, which shares the KV cells instead of recomputing them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import llama_cpp
+import numpy as np
+from llama_cpp import Llama
+from llama_cpp import _internals as internals
+
+GATHER_S = 0.02  # how long a step waits for sequences that just got logits to come back
+SHARE_MIN_TOKENS = 16  # shorter shared prefixes are not worth a copy
+
+
+class QueueFull(Exception):
+    """Too many requests are already waiting for a sequence of the local model."""
+
+
+class ContextOverflow(Exception):
+    """The token sequence does not fit the context window (or the KV cache is full)."""
+
+
+def common_prefix(held: list[int] | tuple[int, ...], tokens: list[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    if list(tokens[: len(held)]) == list(held):  # the usual case, checked at C speed
+        return len(held)
+    count, limit = 0, min(len(held), len(tokens))
+    while count < limit and held[count] == tokens[count]:
+        count += 1
+    return count
+
+
+@dataclass(eq=False)
+class Slot:
+    """One sequence id of the context. `held`: the tokens whose KV entries it holds (engine thread)."""
+
+    id: int
+    held: list[int] = field(default_factory=list)
+    owner: object | None = None  # the Sequence using it; None when free
+
+
+@dataclass(eq=False)
+class _Job:
+    slot: Slot
+    owner: object
+    tokens: list[int]
+    future: concurrent.futures.Future
+    todo: list[int] | None = None  # tokens still to evaluate, set when the job starts
+
+
+class Engine:
+    """Owns the llama.cpp context and its step loop; safe to share across requests."""
+
+    def __init__(self, llm: Llama, n_ctx: int, parallel: int, n_threads: int, n_batch: int,
+                 queue_limit: int) -> None:
+        self.n_ctx = n_ctx  # per sequence
+        self.n_vocab = llm.n_vocab()
+        self._context = _batched_context(llm, n_ctx * parallel, parallel, n_threads, n_batch)
+        self._ctx = self._context.ctx
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self._n_batch = n_batch
+        self._slots = [Slot(index) for index in range(parallel)]
+        self._queue_limit = queue_limit
+        self._waiting = 0
+        self._freed = asyncio.Condition()
+        self._cond = threading.Condition()
+        self._pending: list[_Job] = []  # submitted, not yet taken by the loop
+        self._expected: set[int] = set()  # slots that got logits and have not come back or paused
+        self._closing = False
+        self.steps = 0  # llama_decode calls
+        self.evaluated = 0  # tokens those calls evaluated
+        self._thread = threading.Thread(target=self._loop, name="llama-engine", daemon=True)
+        self._thread.start()
+
+    # -- the request side (event loop) --
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests holding or waiting for a sequence."""
+        return self._waiting + sum(slot.owner is not None for slot in self._slots)
+
+    def check_admission(self) -> None:
+        """Raise QueueFull when a new request would wait behind too many others."""
+        if self._waiting >= self._queue_limit and all(slot.owner is not None for slot in self._slots):
+            raise QueueFull(f"{self._waiting} requests are waiting for the local model")
+
+    @contextlib.asynccontextmanager
+    async def sequence(self, prompt: list[int]) -> AsyncIterator["Sequence"]:
+        """A sequence of its own for one request, until the block exits."""
+        self._waiting += 1
+        try:
+            async with self._freed:
+                await self._freed.wait_for(lambda: any(slot.owner is None for slot in self._slots))
+                slot = max((s for s in self._slots if s.owner is None), key=lambda s: self._fit(s, prompt))
+                sequence = Sequence(self, slot)
+                slot.owner = sequence
+        finally:
+            self._waiting -= 1
+        try:
+            yield sequence
+        finally:
+            self._leave(slot)
+            slot.owner = None
+            async with self._freed:
+                self._freed.notify()
+
+    @staticmethod
+    def _fit(slot: Slot, prompt: list[int]) -> tuple[int, int]:
+        """How well a free slot suits a prompt: a long shared prefix first, else the slot whose
+        tokens (a prefix another request may want) are fewest to lose."""
+        shared = common_prefix(slot.held, prompt)
+        return (shared if shared >= SHARE_MIN_TOKENS else 0, -len(slot.held))
+
+    def _submit(self, slot: Slot, owner: object, tokens: list[int]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._expected.discard(slot.id)
+            self._pending.append(_Job(slot, owner, list(tokens), future))
+            self._cond.notify()
+        return future
+
+    def _leave(self, slot: Slot) -> None:
+        """The slot's request does not submit for now: the loop must not wait for it."""
+        with self._cond:
+            self._expected.discard(slot.id)
+            self._cond.notify()
+
+    def forget(self) -> None:
+        """Drop the tokens kept by free slots (benchmarks start cold). Call only while idle."""
+        with self._cond:
+            self._evict_idle()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+        llama_cpp.llama_batch_free(self._batch)
+        self._context.close()
+
+    # -- the step loop (engine thread) --
+
+    def _loop(self) -> None:
+        active: list[_Job] = []
+        while True:
+            with self._cond:
+                while not (active or self._pending or self._closing):
+                    self._cond.wait()
+                if self._closing:
+                    break
+                self._gather()
+                active += self._pending
+                self._pending = []
+            active = [job for job in active if self._runnable(job)]
+            if active:
+                active = self._step(active)
+        for job in active + self._pending:
+            job.future.cancel()
+
+    def _gather(self) -> None:
+        """Wait (briefly) until every sequence that just got logits has asked for more or paused."""
+        deadline = time.monotonic() + GATHER_S
+        submitted = {job.slot.id for job in self._pending}
+        while self._expected - submitted and not self._closing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._expected.clear()
+                return
+            self._cond.wait(left)
+            submitted = {job.slot.id for job in self._pending}
+
+    def _runnable(self, job: _Job) -> bool:
+        """Start a new job (rewind, prefix copy); drop one whose request has gone."""
+        if job.slot.owner is not job.owner:
+            job.future.cancel()
+            return False
+        if job.todo is None:
+            if not job.future.set_running_or_notify_cancel():
+                return False
+            if len(job.tokens) > self.n_ctx:
+                job.future.set_exception(ContextOverflow(f"{len(job.tokens)} tokens exceed the context of {self.n_ctx}"))
+                return False
+            self._rewind(job)
+        return True
+
+    def _rewind(self, job: _Job) -> None:
+        slot, tokens = job.slot, job.tokens
+        keep = min(common_prefix(slot.held, tokens), len(tokens) - 1)  # evaluate at least one token
+        donor, shared = None, keep
+        if len(tokens) - keep >= SHARE_MIN_TOKENS:
+            for other in self._slots:
+                length = min(common_prefix(other.held, tokens), len(tokens) - 1)
+                if other is not slot and length >= shared + SHARE_MIN_TOKENS:
+                    donor, shared = other, length
+        if donor is not None:
+            llama_cpp.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
+            llama_cpp.llama_memory_seq_cp(self._memory, donor.id, slot.id, 0, shared)
+            keep = shared
+        else:
+            llama_cpp.llama_memory_seq_rm(self._memory, slot.id, keep, -1)
+        slot.held = tokens[:keep]
+        job.todo = tokens[keep:]
+
+    def _step(self, jobs: list[_Job]) -> list[_Job]:
+        """One llama_decode over the jobs; returns those with prefill left."""
+        placed = self._fill_batch(jobs)
+        status = llama_cpp.llama_decode(self._ctx, self._batch)
+        if status == 1 and self._evict_idle():  # the KV cache is full: drop finished requests' tokens
+            self._undo(placed)
+            placed = self._fill_batch(jobs)
+            status = llama_cpp.llama_decode(self._ctx, self._batch)
+        self.steps += 1
+        self.evaluated += self._batch.n_tokens
+        if status != 0:
+            self._undo(placed)
+            error = ContextOverflow(f"llama_decode failed with status {status} (KV cache full?)")
+            for job in {job for job, _, _ in placed}:
+                job.future.set_exception(error)
+            return [job for job in jobs if job not in {j for j, _, _ in placed}]
+        with self._cond:
+            for job, start, index in placed:
+                if not job.todo and index is not None:
+                    self._expected.add(job.slot.id)
+                    job.future.set_result(self._logits(index))
+        return [job for job in jobs if job.todo]
+
+    def _fill_batch(self, jobs: list[_Job]) -> list[tuple[_Job, int, int | None]]:
+        """Put each job's next tokens in the batch (decode steps first, then prefill chunks);
+        returns (job, where its tokens started, batch index of its logits or None)."""
+        batch, budget, placed = self._batch, self._n_batch, []
+        batch.n_tokens = 0
+        for job in sorted(jobs, key=lambda j: len(j.todo)):
+            take = min(len(job.todo), budget)
+            if take == 0:
+                continue
+            start = len(job.slot.held)
+            for offset, token in enumerate(job.todo[:take]):
+                i = batch.n_tokens
+                batch.token[i], batch.pos[i] = token, start + offset
+                batch.n_seq_id[i], batch.seq_id[i][0] = 1, job.slot.id
+                batch.logits[i] = offset == take - 1 and take == len(job.todo)
+                batch.n_tokens += 1
+            job.slot.held += job.todo[:take]
+            job.todo = job.todo[take:]
+            placed.append((job, start, batch.n_tokens - 1 if not job.todo else None))
+            budget -= take
+        return placed
+
+    def _undo(self, placed: list[tuple[_Job, int, int | None]]) -> None:
+        for job, start, _ in placed:
+            job.todo = job.slot.held[start:] + job.todo
+            job.slot.held = job.slot.held[:start]
+            llama_cpp.llama_memory_seq_rm(self._memory, job.slot.id, start, -1)
+
+    def _evict_idle(self) -> bool:
+        idle = [slot for slot in self._slots if slot.owner is None and slot.held]
+        for slot in idle:
+            llama_cpp.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
+            slot.held = []
+        return bool(idle)
+
+    def _logits(self, index: int) -> np.ndarray:
+        view = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, index), shape=(self.n_vocab,))
+        return view.copy()  # the view is overwritten by the next decode
+
+
+class Sequence:
+    """One request's sequence in the engine."""
+
+    def __init__(self, engine: Engine, slot: Slot) -> None:
+        self._engine, self._slot = engine, slot
+
+    async def forward(self, tokens: list[int]) -> np.ndarray:
+        """Make the sequence hold `tokens`; return the logits for the next token (float32)."""
+        return await asyncio.wrap_future(self._engine._submit(self._slot, self, tokens))
+
+    def pause(self) -> None:
+        """Leave the batch until the next forward (while waiting for an upstream)."""
+        self._engine._leave(self._slot)
+
+
+def _batched_context(llm: Llama, n_ctx: int, parallel: int, n_threads: int, n_batch: int) -> internals.LlamaContext:
+    """A context over `llm`'s weights holding `parallel` sequences in one unified KV cache (so
+    sequences can share prefix cells)."""
+    params = llama_cpp.llama_context_params.from_buffer_copy(llm.context_params)
+    params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx, parallel, True
+    params.n_batch = params.n_ubatch = n_batch
+    params.n_threads = params.n_threads_batch = n_threads
+    return internals.LlamaContext(model=llm._model, params=params, verbose=False)  # noqa: SLF001
