@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import llama_cpp
 import numpy as np
@@ -30,6 +32,7 @@ from llama_cpp import _internals as internals
 
 GATHER_S = 0.02  # how long a step waits for sequences that just got logits to come back
 SHARE_MIN_TOKENS = 16  # shorter shared prefixes are not worth a copy
+THREADPOOL_POLL = 0  # ggml's polling level between graphs: spinning threads would starve the event loop
 
 
 class QueueFull(Exception):
@@ -77,6 +80,8 @@ class Engine:
         self.n_vocab = llm.n_vocab()
         self._context = _batched_context(llm, n_ctx * parallel, parallel, n_threads, n_batch)
         self._ctx = self._context.ctx
+        self._threadpool = Threadpool(n_threads)
+        self._threadpool.attach(self._ctx)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._n_batch = n_batch
@@ -158,6 +163,7 @@ class Engine:
         self._thread.join()
         llama_cpp.llama_batch_free(self._batch)
         self._context.close()
+        self._threadpool.free()
 
     # -- the step loop (engine thread) --
 
@@ -298,6 +304,37 @@ class Sequence:
     def pause(self) -> None:
         """Leave the batch until the next forward (while waiting for an upstream)."""
         self._engine._leave(self._slot)
+
+
+class _ThreadpoolParams(ctypes.Structure):
+    _fields_ = [("cpumask", ctypes.c_bool * 512), ("n_threads", ctypes.c_int), ("prio", ctypes.c_int),
+                ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
+
+
+class Threadpool:
+    """A ggml CPU threadpool that lives as long as the engine. Without one, ggml creates and joins
+    a new pool for every llama_decode (llama-cpp-python attaches none): ~1 ms a step here."""
+
+    def __init__(self, n_threads: int) -> None:
+        self._cpu = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
+        self._cpu.ggml_threadpool_params_default.restype = _ThreadpoolParams
+        self._cpu.ggml_threadpool_params_default.argtypes = [ctypes.c_int]
+        self._cpu.ggml_threadpool_new.restype = ctypes.c_void_p
+        self._cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]
+        self._cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
+        params = self._cpu.ggml_threadpool_params_default(n_threads)
+        params.poll = THREADPOOL_POLL
+        self.pool = self._cpu.ggml_threadpool_new(ctypes.byref(params))
+        if not self.pool:
+            raise RuntimeError("ggml_threadpool_new failed")
+
+    def attach(self, ctx) -> None:
+        attach = llama_cpp.llama_cpp._lib.llama_attach_threadpool  # noqa: SLF001 - not bound by llama-cpp-python
+        attach.argtypes, attach.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], None
+        attach(ctx, self.pool, self.pool)
+
+    def free(self) -> None:
+        self._cpu.ggml_threadpool_free(self.pool)
 
 
 def _batched_context(llm: Llama, n_ctx: int, parallel: int, n_threads: int, n_batch: int) -> internals.LlamaContext:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from adapters.chat_template import TemplateError
 from adapters.local_model import QueueFull
 from adapters.store import StoreUnavailable
 from gateway.budget import HandoffGate
-from gateway.decoder import Decoding, DecodeRequest
+from gateway.decoder import Decoding, DecodeRequest, Piece
 from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, QuotaExceeded, RateLimited
 from gateway.runtime import Alias, Runtime
 from gateway.schemas import ChatCompletionRequest
@@ -32,8 +34,40 @@ class Admitted:
     alias: Alias
     tenant: Tenant
     body: ChatCompletionRequest
-    decoding: Decoding
+    decodings: list[Decoding]  # one per choice (`n`), decoded together
     left: bool = False
+
+    async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
+        """Every choice's pieces as (choice index, piece), in the order they are decoded."""
+        if len(self.decodings) == 1:
+            async for piece in self.decodings[0].pieces():
+                yield 0, piece
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def drain(index: int, decoding: Decoding) -> None:
+            try:
+                async for piece in decoding.pieces():
+                    queue.put_nowait((index, piece))
+                queue.put_nowait((index, None))
+            except Exception as exc:  # noqa: BLE001 - raised by the consumer below
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.ensure_future(drain(i, d)) for i, d in enumerate(self.decodings)]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item is None:
+                    running -= 1
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def leave(self, runtime: Runtime) -> None:
         """Give back the request's parallel slot, once, whichever path ends the request first."""
@@ -87,10 +121,11 @@ async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -
     gate = HandoffGate(runtime.ledger, tenant.id, tenant.limits, allowed=tenant.settings.allow_upstream,
                        refusal="budget_exhausted" if tenant.settings.allow_upstream else "upstream_forbidden",
                        cache_scope="shared" if tenant.settings.cache_scope == "shared" else "")
-    decoding = _decoding(alias, gate, body, routing, max_tokens)
+    decodings = [_decoding(alias, gate, body, routing, max_tokens, choice) for choice in range(body.n)]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    await _admit(runtime, tenant, gate, request_id, tokens=len(decoding.prompt_tokens) + decoding.limit)
-    return Admitted(request_id, int(time.time()), alias, tenant, body, decoding)
+    first = decodings[0]
+    await _admit(runtime, tenant, gate, request_id, tokens=len(first.prompt_tokens) + first.limit * body.n)
+    return Admitted(request_id, int(time.time()), alias, tenant, body, decodings)
 
 
 async def leave(runtime: Runtime, tenant: Tenant, request_id: str) -> None:
@@ -100,12 +135,14 @@ async def leave(runtime: Runtime, tenant: Tenant, request_id: str) -> None:
 
 
 def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, routing: RoutingSettings,
-              max_tokens: int) -> Decoding:
+              max_tokens: int, choice: int) -> Decoding:
+    """The decoding of one choice; choices differ by seed (seed + choice) when they sample."""
     policy = build_policy(routing.policy, routing.threshold, routing.target_fraction, routing.max_upstream_tokens,
                           routing.max_upstream_share, routing.max_upstream_calls, history=alias.entropy_history)
     request = DecodeRequest(
         messages=wire_messages(body), max_tokens=max_tokens, policy=policy,
-        sampling=Sampling(body.temperature, body.top_p), seed=body.seed, stop=tuple(body.stop or ()),
+        sampling=Sampling(body.temperature, body.top_p), seed=None if body.seed is None else body.seed + choice,
+        stop=tuple(body.stop or ()),
         span=routing.span, continue_final=body.continue_final_message,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
     )

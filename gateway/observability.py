@@ -229,18 +229,18 @@ class ObservabilityMiddleware:
         return record.model if record.model in aliases else UNKNOWN
 
 
-async def metered(admitted: Any) -> AsyncIterator[Any]:
-    """The admitted request's decoder pieces, timed and counted on the way through."""
+async def metered(admitted: Any) -> AsyncIterator[tuple[int, Any]]:
+    """The admitted request's (choice index, piece) pairs, timed and counted on the way through."""
     record = _record.get()
     if record is None:
-        async for piece in admitted.decoding.pieces():
-            yield piece
+        async for item in admitted.pieces():
+            yield item
         return
     record.alias, record.tenant = admitted.alias.name, admitted.tenant.id
     metrics, alias = record.metrics, admitted.alias.name
     last = time.perf_counter()
     try:
-        async for piece in admitted.decoding.pieces():
+        async for index, piece in admitted.pieces():
             now = time.perf_counter()
             if piece.tokens:
                 if record.ttft_s is None:
@@ -250,7 +250,7 @@ async def metered(admitted: Any) -> AsyncIterator[Any]:
                     _observe_tokens(metrics, alias, piece.source, len(piece.tokens), now - last)
                 if piece.source == "cache":
                     metrics.cache_hits.labels(alias).inc()
-            yield piece
+            yield index, piece
             last = time.perf_counter()  # the consumer's time (sending the chunk) is not decode time
     except GatewayError as exc:
         record.error = error_reason(exc)
@@ -272,15 +272,20 @@ def _observe_tokens(metrics: Metrics, alias: str, source: str, count: int, secon
 
 
 def _count_answer(record: RequestRecord, admitted: Any) -> None:
-    decoding, metrics, alias = admitted.decoding, record.metrics, admitted.alias.name
-    counts = decoding.source_counts()  # after re-tokenization: the authoritative split
+    metrics, alias = record.metrics, admitted.alias.name
+    counts: dict[str, int] = {}
+    degraded: list[str] = []
+    for decoding in admitted.decodings:
+        for source, count in decoding.source_counts().items():  # after re-tokenization: the authoritative split
+            counts[source] = counts.get(source, 0) + count
+        degraded += [reason for reason in decoding.usage.degraded if reason not in degraded]
     for source, count in counts.items():
         if count:
             metrics.tokens.labels(alias, source).inc(count)
-    for reason in decoding.usage.degraded:
+    for reason in degraded:
         metrics.degraded.labels(alias, reason).inc()
-    record.summary = {"finish_reason": decoding.finish_reason, "tokens": counts,
-                      "upstream_calls": decoding.usage.upstream_calls, "degraded": list(decoding.usage.degraded)}
+    record.summary = {"finish_reason": admitted.decodings[0].finish_reason, "tokens": counts,
+                      "upstream_calls": sum(d.usage.upstream_calls for d in admitted.decodings), "degraded": degraded}
 
 
 class MeteredUpstream:

@@ -9,24 +9,27 @@ from gateway.decoder import Piece, TokenLogprob
 
 
 def usage_of(admitted: Admitted) -> dict[str, Any]:
-    decoding = admitted.decoding
-    counts = decoding.source_counts()
-    routing = decoding.usage
+    """Usage of all choices together (the prompt counted once, as OpenAI does)."""
+    decodings = admitted.decodings
+    counts = {source: sum(d.source_counts()[source] for d in decodings) for source in ("local", "upstream", "cache")}
+    usages = [d.usage for d in decodings]
+    prompt = len(decodings[0].prompt_tokens)
+    completion = sum(len(d.answer_tokens) for d in decodings)
     return {
-        "prompt_tokens": len(decoding.prompt_tokens),
-        "completion_tokens": len(decoding.answer_tokens),
-        "total_tokens": len(decoding.prompt_tokens) + len(decoding.answer_tokens),
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
         "routing": {
-            "policy": routing.policy,
+            "policy": usages[0].policy,
             "local_tokens": counts["local"],
             "upstream_tokens": counts["upstream"],
             "cache_tokens": counts["cache"],
-            "guess_kept_tokens": routing.guess_kept_tokens,
-            "upstream_calls": routing.upstream_calls,
-            "upstream_prompt_tokens": routing.upstream_prompt_tokens,
-            "upstream_completion_tokens": routing.upstream_completion_tokens,
-            "upstream_cost_usd": round(routing.upstream_cost_usd, 8),
-            "degraded": list(routing.degraded),
+            "guess_kept_tokens": sum(u.guess_kept_tokens for u in usages),
+            "upstream_calls": sum(u.upstream_calls for u in usages),
+            "upstream_prompt_tokens": sum(u.upstream_prompt_tokens for u in usages),
+            "upstream_completion_tokens": sum(u.upstream_completion_tokens for u in usages),
+            "upstream_cost_usd": round(sum(u.upstream_cost_usd for u in usages), 8),
+            "degraded": list(dict.fromkeys(reason for u in usages for reason in u.degraded)),
         },
     }
 
@@ -55,24 +58,28 @@ def logprobs_of(entries: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def completion_body(admitted: Admitted, pieces: list[Piece]) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": "".join(p.text for p in pieces), "refusal": None},
-        "finish_reason": admitted.decoding.finish_reason,
-        "logprobs": None,
-    }
-    if admitted.body.logprobs:
-        choice["logprobs"] = logprobs_of([e for p in pieces for e in p.logprobs])
+def completion_body(admitted: Admitted, pieces: list[list[Piece]]) -> dict[str, Any]:
+    """The response body; `pieces` holds each choice's pieces."""
+    choices = []
+    for index, (decoding, chosen) in enumerate(zip(admitted.decodings, pieces)):
+        choice: dict[str, Any] = {
+            "index": index,
+            "message": {"role": "assistant", "content": "".join(p.text for p in chosen), "refusal": None},
+            "finish_reason": decoding.finish_reason,
+            "logprobs": None,
+        }
+        if admitted.body.logprobs:
+            choice["logprobs"] = logprobs_of([e for p in chosen for e in p.logprobs])
+        choices.append(choice)
     return {
         "id": admitted.id, "object": "chat.completion", "created": admitted.created, "model": admitted.body.model,
-        "choices": [choice], "usage": usage_of(admitted), "system_fingerprint": None,
+        "choices": choices, "usage": usage_of(admitted), "system_fingerprint": None,
     }
 
 
 def chunk(admitted: Admitted, delta: dict[str, Any], finish_reason: str | None = None,
-          piece: Piece | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+          piece: Piece | None = None, index: int = 0) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
     if piece is not None and admitted.body.logprobs:
         choice["logprobs"] = logprobs_of(list(piece.logprobs))
     body: dict[str, Any] = {

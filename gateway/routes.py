@@ -89,8 +89,12 @@ async def chat_completions(request: Request):
     return JSONResponse(completion_body(admitted, pieces), headers={"x-routing-summary": routing_header(admitted)})
 
 
-async def _collect(admitted: Admitted) -> list[Piece]:
-    return [piece async for piece in observability.metered(admitted)]
+async def _collect(admitted: Admitted) -> list[list[Piece]]:
+    """Each choice's pieces."""
+    pieces: list[list[Piece]] = [[] for _ in admitted.decodings]
+    async for index, piece in observability.metered(admitted):
+        pieces[index].append(piece)
+    return pieces
 
 
 async def _unless_client_leaves(request: Request, work):
@@ -115,19 +119,22 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _stream(runtime: Runtime, admitted: Admitted):
-    """SSE events: role, one delta per piece (finish_reason on the last), usage, [DONE]."""
+    """SSE events: per choice the role, one delta per piece (finish_reason on the last), then
+    usage and [DONE]."""
     try:
-        yield _event(chunk(admitted, {"role": "assistant", "content": ""}))
-        last: Piece | None = None
-        async for piece in observability.metered(admitted):
+        for index in range(len(admitted.decodings)):
+            yield _event(chunk(admitted, {"role": "assistant", "content": ""}, index=index))
+        last: dict[int, Piece] = {}  # each choice's newest piece, held back to carry finish_reason
+        async for index, piece in observability.metered(admitted):
             if not piece.text:
                 continue  # nothing showable yet (a split character or a possible stop string)
-            if last is not None:
-                yield _event(chunk(admitted, {"content": last.text}, piece=last))
-            last = piece
-        finish = admitted.decoding.finish_reason
-        delta = {"content": last.text} if last else {}
-        yield _event(chunk(admitted, delta, finish_reason=finish, piece=last))
+            if index in last:
+                yield _event(chunk(admitted, {"content": last[index].text}, piece=last[index], index=index))
+            last[index] = piece
+        for index, decoding in enumerate(admitted.decodings):
+            held = last.get(index)
+            delta = {"content": held.text} if held else {}
+            yield _event(chunk(admitted, delta, finish_reason=decoding.finish_reason, piece=held, index=index))
         options = admitted.body.stream_options
         if options is not None and options.include_usage:
             yield _event(usage_chunk(admitted))

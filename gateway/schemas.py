@@ -56,7 +56,7 @@ class ChatCompletionRequest(Wire):
     stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
+    n: int = Field(1, ge=1, le=8, description="Choices: n sequences decoded together in the local model's batch.")
     user: str | None = None
     response_format: ResponseFormat | None = None
     frequency_penalty: float = 0.0

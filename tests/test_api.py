@@ -99,7 +99,7 @@ def test_logprobs_from_the_local_model(client):
         ({"routing": {"policy": "top1"}}, "routing.threshold"),
         ({"routing": {"colour": "red"}}, "routing.colour"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),
         ({"max_tokens": 100000}, "max_tokens"),
         ({"temperature": 3}, "temperature"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
@@ -252,3 +252,19 @@ def test_oversized_body_is_a_clear_400(gateway):
                           headers={"Authorization": f"Bearer {DEMO_KEY}"},
                           json={"model": "routed", "messages": [{"role": "user", "content": "x" * 1_100_000}]})
     assert response.status_code == 400 and "exceeds" in response.json()["error"]["message"]
+
+
+def test_n_choices_decode_together_streamed_or_not(client):
+    reply = ask(client, n=2, temperature=0.9, seed=3, max_tokens=10, logprobs=True,
+                extra_body={"routing": {"policy": "never"}})
+    assert [choice.index for choice in reply.choices] == [0, 1]
+    assert all(choice.message.content and choice.finish_reason in ("stop", "length") for choice in reply.choices)
+    per_choice = [len(choice.logprobs.content) for choice in reply.choices]
+    assert routing_of(reply.usage)["local_tokens"] == reply.usage.completion_tokens == sum(per_choice)
+    texts, finished = {0: "", 1: ""}, {}
+    for part in ask(client, n=2, temperature=0.9, seed=3, max_tokens=10, stream=True):
+        for choice in part.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+    assert all(texts.values()) and set(finished) == {0, 1}

@@ -4,8 +4,10 @@ llama.cpp's CPU kernels round differently with the shape of a batch: measured he
 Q4_1, one sequence's logits after its prompt differ by up to 0.64 (mean 0.1-0.2) between
 evaluating the prompt in one batch and token by token, with no other sequence involved. Batching
 sequences together shows the same noise (mean 0.07-0.5 per step over 16 steps of three
-sequences). So logits are compared by their mean difference, and greedy tokens must agree except
-at a near-tie of the reference (measured: one of 48 tokens, where the top two were 0.03 apart).
+sequences, up to 0.6 in a later run). A wrong position or attention across sequences shows as
+mean differences of 3.8-5.6 once the sequences part. So logits are compared by their mean
+difference, and greedy tokens must agree except at a near-tie of the reference (measured: one of
+48 tokens, where the top two were 0.03 apart).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.integration
 
 SYSTEM_A = "You are a terse assistant who answers in French. " * 6
 SYSTEM_B = "You are a pirate. Speak like one at all times, arr. " * 6
-MEAN_NOISE = 0.6  # largest mean |logit difference| that is still kernel rounding
+MEAN_NOISE = 1.0  # mean |logit difference| still taken for kernel rounding (real faults measured 3.8-5.6)
 NEAR_TIE = 0.5  # logit gap under which a greedy choice may flip with that rounding
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+from gateway.chat import Admitted
 from gateway.decoder import Piece
 from gateway.errors import GatewayError
 from gateway.routes import _stream
@@ -21,13 +22,9 @@ class BrokenDecoding:
         raise RuntimeError("llama.cpp exploded")
 
 
-async def no_slot(runtime) -> None:
-    """Admitted.leave of a request that holds no parallel slot."""
-
-
 async def test_error_after_the_stream_started_is_one_error_event():
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
-    admitted = SimpleNamespace(id="chatcmpl-x", created=0, body=body, leave=no_slot, decoding=BrokenDecoding())
+    admitted = Admitted("chatcmpl-x", 0, None, None, body, [BrokenDecoding()], left=True)  # holds no slot
     events = [event["data"] async for event in _stream(SimpleNamespace(), admitted)]
     assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
     error = json.loads(events[-1])
@@ -43,6 +40,6 @@ async def test_gateway_error_mid_stream_keeps_its_status_type():
             raise GatewayError("the local model stopped")
 
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
-    admitted = SimpleNamespace(id="chatcmpl-y", created=0, body=body, leave=no_slot, decoding=Refusing())
+    admitted = Admitted("chatcmpl-y", 0, None, None, body, [Refusing()], left=True)
     events = [event["data"] async for event in _stream(SimpleNamespace(), admitted)]
     assert json.loads(events[-1])["error"]["message"] == "the local model stopped"

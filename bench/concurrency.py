@@ -1,0 +1,233 @@
+"""Concurrency: aggregate generation tokens/s and time to first token at 1, 2, 4 and 8 streams,
+through the engine and through the gateway over HTTP, next to llama.cpp's own
+`llama-batched-bench` on the same model and threads (the ceiling of this machine).
+
+Run: .venv/bin/python -m bench.concurrency [--model smollm2-135m-instruct] [--threads 2] [--tokens 64]
+                                           [--streams 1,2,4,8]
+
+Each side runs in a process of its own, one after the other: (1) the engine: N local-only
+decodings at once (the collaborative decoder, policy `never`), in this process; (2) the gateway
+(`python -m gateway serve`, local-only alias, memory store, `parallel` = the most streams): N
+streaming requests at once; (3) llama-batched-bench (built by scripts/build-llama-tools.sh from
+the llama.cpp sources vendored in the pinned llama-cpp-python sdist) with N parallel sequences of
+64 prompt and `--tokens` generated tokens. Prompts are distinct questions behind one shared system
+prompt. Generation speed is llama-batched-bench's S_TG and, for ours, the sum over streams of
+(tokens after the first) / (time from the first token to the last); answers may end early.
+Targets, as ratios: speed-up from 1 to 4 and 8 streams >= 90% of the tool's, the slowest of 4
+first tokens within 3x of a lone stream's, one stream >= 0.9x the tool's single sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+from adapters.local_model import LocalModel
+from adapters.model_files import resolve_model
+from adapters.store import Limits, MemoryStore
+from adapters.upstream_server import free_port
+from gateway.budget import HandoffGate, Ledger
+from gateway.decoder import DecodeRequest, Decoding
+from policies import build_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEM = "You are a storyteller. Write vivid, flowing prose without lists or headings. " * 3
+SUBJECTS = ("a lighthouse keeper", "a lost robot", "a desert caravan", "a mountain village", "a clockmaker",
+            "a deep-sea diver", "a traveling circus", "an old library")
+KEY = "sk-bench"
+
+
+def config(model: str, threads: int, parallel: int, port: int) -> dict:
+    return {
+        "server": {"port": port, "queue_limit": 64, "max_tokens_limit": 1024},
+        "models": {"local": {"m": {"gguf": model, "n_ctx": 1024, "n_threads": threads, "parallel": parallel}}},
+        "aliases": {"local": {"local": "m", "routing": {"policy": "never"}}},
+        "tenants": [{"id": "bench", "api_key_env": "BENCH_KEY"}],
+    }
+
+
+@dataclass(frozen=True)
+class Stream:
+    first_s: float  # from the round's start to the first token
+    end_s: float
+    tokens: int
+
+
+SAME = -4  # a round of 4 streams that all send the same (uncached) question
+
+
+def stream_index(streams: int, index: int) -> int:
+    return 0 if streams == SAME else index
+
+
+def messages(index: int, round_tag: int) -> list[dict[str, str]]:
+    """Stream `index` of a round: a question no other round asks (its prompt is not cached),
+    behind the shared system prompt (cached after the warm-up, as in steady state)."""
+    subject = SUBJECTS[index % len(SUBJECTS)]
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Tell a long story about {subject}, in {round_tag + 2} parts."}]
+
+
+def median_round(results: list[tuple[float, list[float]]]) -> tuple[float, list[float]]:
+    """The round with the median speed (its first-token times come with it)."""
+    return sorted(results, key=lambda result: result[0])[len(results) // 2]
+
+
+def summary(streams: list[Stream]) -> tuple[float, list[float]]:
+    """(aggregate generation tokens/s, first-token times) of one round."""
+    speed = sum((s.tokens - 1) / (s.end_s - s.first_s) for s in streams if s.tokens > 1 and s.end_s > s.first_s)
+    return speed, [s.first_s for s in streams]
+
+
+async def engine_stream(local: LocalModel, index: int, round_tag: int, tokens: int, started: float) -> Stream:
+    request = DecodeRequest(messages=messages(index, round_tag), max_tokens=tokens, policy=build_policy("never"))
+    decoding = Decoding(local, None, HandoffGate(Ledger(MemoryStore()), "bench", Limits(), allowed=False), request)
+    first = None
+    async for piece in decoding.pieces():
+        if first is None and piece.tokens:
+            first = time.perf_counter() - started
+    return Stream(first or float("nan"), time.perf_counter() - started, len(decoding.answer_tokens))
+
+
+async def engine_rounds(args: argparse.Namespace, counts: list[int]) -> dict[int, tuple[float, list[float]]]:
+    local = await LocalModel.load(resolve_model(args.model), n_ctx=1024, n_threads=args.threads, n_batch=512,
+                                  queue_limit=64, parallel=max(counts))
+    try:
+        await engine_stream(local, 0, 0, 8, time.perf_counter())  # warm-up (round tag 0): weights, system prompt
+        rounds: dict[int, list[tuple[float, list[float]]]] = {n: [] for n in [*counts, SAME]}
+        for repeat in range(args.repeat):
+            for n in [*counts, SAME]:
+                started = time.perf_counter()
+                streams = [engine_stream(local, stream_index(n, i), n + 10 * repeat, args.tokens, started)
+                           for i in range(abs(n))]
+                rounds[n].append(summary(await asyncio.gather(*streams)))
+        return {n: median_round(results) for n, results in rounds.items()}
+    finally:
+        local.close()
+
+
+async def http_stream(client: httpx.AsyncClient, index: int, round_tag: int, tokens: int, started: float) -> Stream:
+    body = {"model": "local", "max_tokens": tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "messages": messages(index, round_tag)}
+    first, count = None, 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            data = json.loads(line[len("data: "):])
+            if first is None and any(c["delta"].get("content") for c in data["choices"]):
+                first = time.perf_counter() - started
+            if data.get("usage"):
+                count = data["usage"]["completion_tokens"]
+    return Stream(first or float("nan"), time.perf_counter() - started, count)
+
+
+async def http_round(base_url: str, streams: int, tokens: int, round_tag: int) -> tuple[float, list[float]]:
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as client:
+        started = time.perf_counter()
+        return summary(await asyncio.gather(*(http_stream(client, stream_index(streams, i), round_tag, tokens, started)
+                                              for i in range(abs(streams)))))
+
+
+def gateway_rounds(args: argparse.Namespace, counts: list[int]) -> dict[int, tuple[float, list[float]]]:
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "bench.yaml"
+        path.write_text(yaml.safe_dump(config(args.model, args.threads, max(counts), port)))
+        log = (Path(tmp) / "gateway.log").open("wb")
+        process = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(path)], cwd=ROOT,
+                                   env={**os.environ, "BENCH_KEY": KEY}, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            wait_ready(base, process)
+            asyncio.run(http_round(base, 1, 8, round_tag=0))  # warm-up: weights, system prompt
+            rounds = [{n: asyncio.run(http_round(base, n, args.tokens, round_tag=n + 10 * r)) for n in [*counts, SAME]}
+                      for r in range(args.repeat)]
+            return {n: median_round([results[n] for results in rounds]) for n in [*counts, SAME]}
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+def wait_ready(base: str, process: subprocess.Popen) -> None:
+    for _ in range(600):
+        if process.poll() is not None:
+            raise SystemExit(f"gateway exited with {process.returncode}")
+        try:
+            if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("gateway did not become ready")
+
+
+def batched_bench(args: argparse.Namespace, counts: list[int]) -> dict[int, float]:
+    """llama-batched-bench's generation tokens/s (S_TG) per number of parallel sequences."""
+    tools = subprocess.run(["bash", str(ROOT / "scripts/build-llama-tools.sh"), "llama-batched-bench"],
+                           capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    command = [f"{tools}/llama-batched-bench", "-m", str(resolve_model(args.model)), "-c", "8192", "-b", "512",
+               "-ub", "512", "-npp", "64", "-ntg", str(args.tokens), "-npl", ",".join(map(str, counts)),
+               "-t", str(args.threads), "-tb", str(args.threads)]
+    speeds: dict[int, list[float]] = {n: [] for n in counts}
+    for _ in range(args.repeat):
+        output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        for line in output.splitlines():
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if len(cells) >= 8 and cells[2].isdigit():
+                speeds[int(cells[2])].append(float(cells[7]))  # | PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG |
+    return {n: statistics.median(values) for n, values in speeds.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--streams", default="1,2,4,8")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds per stream count (the median is shown)")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.streams.split(",")]
+    engine = asyncio.run(engine_rounds(args, counts))
+    gateway = gateway_rounds(args, counts)
+    ceiling = batched_bench(args, counts)
+    print(f"model {args.model}, {args.threads} threads, {args.tokens} tokens per stream; generation tok/s "
+          f"(x1: speed-up over one stream; /tool: that speed-up over llama-batched-bench's)")
+    print("streams  batched-bench    x1 |  engine    x1  /tool  first token p50/p95/max s |"
+          "  gateway    x1  /tool  first token p50/p95/max s")
+    for n in counts:
+        tool = ceiling[n] / ceiling[counts[0]]
+        print(f"{n:7d}  {ceiling[n]:13.1f}  {tool:4.2f} | {row(engine, n, counts[0], tool)} | {row(gateway, n, counts[0], tool)}")
+    for name, ours in (("engine", engine), ("gateway", gateway)):
+        lone_speed, lone_first = ours[counts[0]][0], ours[counts[0]][1][0]
+        if 4 in ours:
+            print(f"{name}: slowest of 4 first tokens / lone first token: {max(ours[4][1]) / lone_first:.2f} "
+                  f"(target <= 3); 4 identical questions: {max(ours[SAME][1]) / lone_first:.2f}")
+        print(f"{name}: one stream / llama-batched-bench one sequence: {lone_speed / ceiling[counts[0]]:.2f} "
+              f"(target >= 0.9)")
+
+
+def row(ours: dict[int, tuple[float, list[float]]], n: int, lone: int, tool: float) -> str:
+    speed, firsts = ours[n]
+    ratio = speed / ours[lone][0]
+    firsts = sorted(firsts)
+    p95 = firsts[min(len(firsts) - 1, int(0.95 * len(firsts)))]
+    return (f"{speed:7.1f}  {ratio:4.2f}  {ratio / tool:5.2f}  "
+            f"{statistics.median(firsts):5.2f} / {p95:5.2f} / {firsts[-1]:5.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Latency hiding: how much of the time hand-offs add does guessing ahead win back?
+
+Run: .venv/bin/python -m bench.guessing [--local smollm2-135m-instruct] [--upstream qwen2.5-coder-0.5b-instruct]
+                                        [--rtt-ms 100] [--share 0.1]
+
+The local model decodes (one thread); the upstream is a llama-cpp-python server process on
+loopback (one thread) behind an injected round trip of `--rtt-ms`; `target_fraction` routes about
+`--share` of the answer tokens. For each prompt, alternating, it decodes local-only, routed
+without guessing and routed with guessing (greedy), and reports routed wall time over local-only
+wall time for both, the share of the hand-offs' added time that guessing removes (target >= 0.5),
+and how many guessed tokens were kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from adapters.local_model import LocalModel
+from adapters.model_files import resolve_model
+from adapters.store import Limits, MemoryStore
+from adapters.upstream_server import UpstreamServer
+from gateway.budget import HandoffGate, Ledger
+from gateway.decoder import GUESS_LIMIT, DecodeRequest, Decoding
+from gateway.runtime import make_upstream
+from gateway.settings import UpstreamSettings
+from policies import build_policy
+
+PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle works.",
+           "Describe a walk through a forest in autumn.", "Tell me about the history of bread."]
+
+
+@dataclass
+class Delayed:
+    """An upstream whose every call takes `rtt_s` longer, as a remote provider's would."""
+
+    inner: Any
+    rtt_s: float
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def continue_text(self, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(self.rtt_s)
+        return await self.inner.continue_text(*args, **kwargs)
+
+
+async def decode(local: LocalModel, upstream: Any, prompt: str, tokens: int, policy: str, guess: int,
+                 share: float) -> tuple[float, Decoding]:
+    request = DecodeRequest(messages=[{"role": "user", "content": prompt}], max_tokens=tokens,
+                            policy=build_policy(policy, target_fraction=share), guess_ahead=guess)
+    decoding = Decoding(local, upstream, HandoffGate(Ledger(MemoryStore()), "bench", Limits(), allowed=True), request)
+    started = time.perf_counter()
+    async for _ in decoding.pieces():
+        pass
+    return time.perf_counter() - started, decoding
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--local", default="smollm2-135m-instruct")
+    parser.add_argument("--upstream", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--rtt-ms", type=float, default=100.0)
+    parser.add_argument("--share", type=float, default=0.1)
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--guess-ahead", type=int, default=GUESS_LIMIT)
+    args = parser.parse_args()
+    local = await LocalModel.load(resolve_model(args.local), n_ctx=1024, n_threads=1, n_batch=256,
+                                  queue_limit=4)
+    server = UpstreamServer(resolve_model(args.upstream), 0, n_threads=1, n_ctx=2048, alias="up")
+    try:
+        await server.wait_ready()
+        settings = UpstreamSettings(model="text-completion-openai/up", api_base=server.api_base, mode="completions",
+                                    template_gguf=args.upstream, extra_body={"repeat_penalty": 1.0}, retries=0)
+        upstream = Delayed(make_upstream("up", settings), args.rtt_ms / 1000)
+        walls = {"local": 0.0, "routed": 0.0, "guessing": 0.0}
+        kept = routed_tokens = calls = 0
+        for prompt in PROMPTS:
+            walls["local"] += (await decode(local, None, prompt, args.tokens, "never", 0, args.share))[0]
+            walls["routed"] += (await decode(local, upstream, prompt, args.tokens, "target_fraction", 0, args.share))[0]
+            wall, decoding = await decode(local, upstream, prompt, args.tokens, "target_fraction", args.guess_ahead,
+                                          args.share)
+            walls["guessing"] += wall
+            kept += decoding.usage.guess_kept_tokens
+            routed_tokens += decoding.source_counts()["upstream"]
+            calls += decoding.usage.upstream_calls
+    finally:
+        server.stop()
+        local.close()
+    added, added_guessing = walls["routed"] - walls["local"], walls["guessing"] - walls["local"]
+    print(f"{len(PROMPTS)} prompts, {args.tokens} tokens, local {args.local}, upstream {args.upstream} + {args.rtt_ms:.0f} ms, "
+          f"target share {args.share}")
+    print(f"wall s: local {walls['local']:.1f}, routed {walls['routed']:.1f} "
+          f"({walls['routed'] / walls['local']:.2f}x), routed + guessing {walls['guessing']:.1f} "
+          f"({walls['guessing'] / walls['local']:.2f}x)")
+    print(f"hand-off time removed by guessing: {1 - added_guessing / added:.0%} (target >= 50%)")
+    print(f"guessing run: {calls} hand-offs, {routed_tokens} upstream tokens, {kept} guessed tokens kept "
+          f"({kept / max(1, calls):.1f} per hand-off)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
