@@ -15,7 +15,9 @@ COPY --chown=gateway:gateway gateway/ gateway/
 COPY --chown=gateway:gateway adapters/ adapters/
 COPY --chown=gateway:gateway policies/ policies/
 
-# Builds llama-cpp-python with safe CPU flags and provisions the models into the image.
+# Builds llama-cpp-python for the build host's CPU features (never AMX), or for the flags given
+# with --build-arg LLAMA_CMAKE_ARGS=..., and provisions the models into the image.
+ARG LLAMA_CMAKE_ARGS=""
 RUN ./scripts/setup.sh
 
 ENV GATEWAY_SERVER__HOST=0.0.0.0

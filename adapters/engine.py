@@ -31,7 +31,8 @@ from llama_cpp import Llama
 from llama_cpp import _internals as internals
 
 GATHER_S = 0.02  # how long a step waits for sequences that just got logits to come back
-SHARE_MIN_TOKENS = 16  # shorter shared prefixes are not worth a copy
+SHARE_MIN_TOKENS = 4  # a shorter shared prefix is cheaper to evaluate again than to wait for
+IDLE_KEPT = 1  # finished sequences whose tokens stay for reuse: every cell widens every step's attention
 THREADPOOL_POLL = 0  # ggml's polling level between graphs: spinning threads would starve the event loop
 
 
@@ -60,6 +61,8 @@ class Slot:
     id: int
     held: list[int] = field(default_factory=list)
     owner: object | None = None  # the Sequence using it; None when free
+    prompt: int = 0  # its request's prompt length: what is worth keeping once the request ends
+    freed_at: float = 0.0
 
 
 @dataclass(eq=False)
@@ -119,23 +122,23 @@ class Engine:
                 await self._freed.wait_for(lambda: any(slot.owner is None for slot in self._slots))
                 slot = max((s for s in self._slots if s.owner is None), key=lambda s: self._fit(s, prompt))
                 sequence = Sequence(self, slot)
-                slot.owner = sequence
+                slot.owner, slot.prompt = sequence, len(prompt)
         finally:
             self._waiting -= 1
         try:
             yield sequence
         finally:
             self._leave(slot)
-            slot.owner = None
+            slot.owner, slot.freed_at = None, time.monotonic()
             async with self._freed:
                 self._freed.notify()
 
     @staticmethod
-    def _fit(slot: Slot, prompt: list[int]) -> tuple[int, int]:
-        """How well a free slot suits a prompt: a long shared prefix first, else the slot whose
-        tokens (a prefix another request may want) are fewest to lose."""
+    def _fit(slot: Slot, prompt: list[int]) -> int:
+        """How well a free slot suits a prompt: the prefix it already holds, less the tokens it
+        would lose (a prefix another request may still want)."""
         shared = common_prefix(slot.held, prompt)
-        return (shared if shared >= SHARE_MIN_TOKENS else 0, -len(slot.held))
+        return shared - (len(slot.held) - shared)
 
     def _submit(self, slot: Slot, owner: object, tokens: list[int]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -154,7 +157,7 @@ class Engine:
     def forget(self) -> None:
         """Drop the tokens kept by free slots (benchmarks start cold). Call only while idle."""
         with self._cond:
-            self._evict_idle()
+            self._trim_idle(0)
 
     def close(self) -> None:
         with self._cond:
@@ -178,9 +181,22 @@ class Engine:
                 self._gather()
                 active += self._pending
                 self._pending = []
-            active = [job for job in active if self._runnable(job)]
-            if active:
-                active = self._step(active)
+            self._trim_idle(IDLE_KEPT)
+            active = [job for job in active if self._live(job)]
+            for job in active:
+                if job.todo is None and not self._prefix_coming(job, active):
+                    self._rewind(job)
+            ready = [job for job in active if job.todo is not None]
+            if ready:
+                try:
+                    active = self._step(ready) + [job for job in active if job.todo is None]
+                except Exception as exc:  # noqa: BLE001 - the loop must outlive one bad step
+                    for job in active:
+                        llama_cpp.llama_memory_seq_rm(self._memory, job.slot.id, -1, -1)  # state unknown
+                        job.slot.held = []
+                        if not job.future.done():
+                            job.future.set_exception(exc)
+                    active = []
         for job in active + self._pending:
             job.future.cancel()
 
@@ -196,19 +212,25 @@ class Engine:
             self._cond.wait(left)
             submitted = {job.slot.id for job in self._pending}
 
-    def _runnable(self, job: _Job) -> bool:
-        """Start a new job (rewind, prefix copy); drop one whose request has gone."""
+    def _live(self, job: _Job) -> bool:
+        """False for a job whose request has gone (or that cannot fit); marks new jobs running."""
         if job.slot.owner is not job.owner:
             job.future.cancel()
             return False
-        if job.todo is None:
+        if job.todo is None and not job.future.running():
             if not job.future.set_running_or_notify_cancel():
                 return False
             if len(job.tokens) > self.n_ctx:
                 job.future.set_exception(ContextOverflow(f"{len(job.tokens)} tokens exceed the context of {self.n_ctx}"))
                 return False
-            self._rewind(job)
         return True
+
+    def _prefix_coming(self, job: _Job, active: list[_Job]) -> bool:
+        """Is another job about to evaluate a longer prefix of this one's tokens? Then this one
+        waits and copies it (requests arriving together with the same prompt prefill it once)."""
+        have = max(common_prefix(slot.held, job.tokens) for slot in self._slots)
+        return any(other is not job and other.todo and common_prefix(other.tokens, job.tokens) >= have + SHARE_MIN_TOKENS
+                   for other in active)
 
     def _rewind(self, job: _Job) -> None:
         slot, tokens = job.slot, job.tokens
@@ -232,7 +254,7 @@ class Engine:
         """One llama_decode over the jobs; returns those with prefill left."""
         placed = self._fill_batch(jobs)
         status = llama_cpp.llama_decode(self._ctx, self._batch)
-        if status == 1 and self._evict_idle():  # the KV cache is full: drop finished requests' tokens
+        if status == 1 and self._trim_idle(0):  # the KV cache is full: drop finished requests' tokens
             self._undo(placed)
             placed = self._fill_batch(jobs)
             status = llama_cpp.llama_decode(self._ctx, self._batch)
@@ -279,12 +301,17 @@ class Engine:
             job.slot.held = job.slot.held[:start]
             llama_cpp.llama_memory_seq_rm(self._memory, job.slot.id, start, -1)
 
-    def _evict_idle(self) -> bool:
-        idle = [slot for slot in self._slots if slot.owner is None and slot.held]
-        for slot in idle:
-            llama_cpp.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
-            slot.held = []
-        return bool(idle)
+    def _trim_idle(self, keep: int) -> bool:
+        """Free slots keep only their prompt, and only the `keep` most recently freed keep even
+        that; True if a whole slot was emptied."""
+        idle = sorted((slot for slot in self._slots if slot.owner is None and slot.held),
+                      key=lambda slot: slot.freed_at, reverse=True)
+        for index, slot in enumerate(idle):
+            kept = slot.prompt if index < keep else 0
+            if len(slot.held) > kept:
+                llama_cpp.llama_memory_seq_rm(self._memory, slot.id, kept, -1)
+                slot.held = slot.held[:kept]
+        return len(idle) > keep
 
     def _logits(self, index: int) -> np.ndarray:
         view = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, index), shape=(self.n_vocab,))

@@ -5,10 +5,10 @@ through the engine and through the gateway over HTTP, next to llama.cpp's own
 Run: .venv/bin/python -m bench.concurrency [--model smollm2-135m-instruct] [--threads 2] [--tokens 64]
                                            [--streams 1,2,4,8]
 
-Each side runs in a process of its own, one after the other: (1) the engine: N local-only
-decodings at once (the collaborative decoder, policy `never`), in this process; (2) the gateway
-(`python -m gateway serve`, local-only alias, memory store, `parallel` = the most streams): N
-streaming requests at once; (3) llama-batched-bench (built by scripts/build-llama-tools.sh from
+Each side runs in a process of its own, taking turns within each of `--repeat` repeats (the median
+is shown): (1) the engine: N local-only decodings at once (the collaborative decoder, policy
+`never`), in this process; (2) the gateway (`python -m gateway serve`, local-only alias, memory
+store, `parallel` = the most streams): N streaming requests at once; (3) llama-batched-bench (built by scripts/build-llama-tools.sh from
 the llama.cpp sources vendored in the pinned llama-cpp-python sdist) with N parallel sequences of
 64 prompt and `--tokens` generated tokens. Prompts are distinct questions behind one shared system
 prompt. Generation speed is llama-batched-bench's S_TG and, for ours, the sum over streams of
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,21 +103,10 @@ async def engine_stream(local: LocalModel, index: int, round_tag: int, tokens: i
     return Stream(first or float("nan"), time.perf_counter() - started, len(decoding.answer_tokens))
 
 
-async def engine_rounds(args: argparse.Namespace, counts: list[int]) -> dict[int, tuple[float, list[float]]]:
-    local = await LocalModel.load(resolve_model(args.model), n_ctx=1024, n_threads=args.threads, n_batch=512,
-                                  queue_limit=64, parallel=max(counts))
-    try:
-        await engine_stream(local, 0, 0, 8, time.perf_counter())  # warm-up (round tag 0): weights, system prompt
-        rounds: dict[int, list[tuple[float, list[float]]]] = {n: [] for n in [*counts, SAME]}
-        for repeat in range(args.repeat):
-            for n in [*counts, SAME]:
-                started = time.perf_counter()
-                streams = [engine_stream(local, stream_index(n, i), n + 10 * repeat, args.tokens, started)
-                           for i in range(abs(n))]
-                rounds[n].append(summary(await asyncio.gather(*streams)))
-        return {n: median_round(results) for n, results in rounds.items()}
-    finally:
-        local.close()
+async def engine_round(local: LocalModel, n: int, tokens: int, round_tag: int) -> tuple[float, list[float]]:
+    started = time.perf_counter()
+    return summary(await asyncio.gather(*(engine_stream(local, stream_index(n, i), round_tag, tokens, started)
+                                          for i in range(abs(n)))))
 
 
 async def http_stream(client: httpx.AsyncClient, index: int, round_tag: int, tokens: int, started: float) -> Stream:
@@ -142,21 +133,20 @@ async def http_round(base_url: str, streams: int, tokens: int, round_tag: int) -
                                               for i in range(abs(streams)))))
 
 
-def gateway_rounds(args: argparse.Namespace, counts: list[int]) -> dict[int, tuple[float, list[float]]]:
+@contextlib.contextmanager
+def gateway_process(args: argparse.Namespace, parallel: int) -> Iterator[str]:
+    """A gateway process (local-only alias, memory store); yields its base URL."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bench.yaml"
-        path.write_text(yaml.safe_dump(config(args.model, args.threads, max(counts), port)))
+        path.write_text(yaml.safe_dump(config(args.model, args.threads, parallel, port)))
         log = (Path(tmp) / "gateway.log").open("wb")
         process = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(path)], cwd=ROOT,
                                    env={**os.environ, "BENCH_KEY": KEY}, stdout=log, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{port}"
             wait_ready(base, process)
-            asyncio.run(http_round(base, 1, 8, round_tag=0))  # warm-up: weights, system prompt
-            rounds = [{n: asyncio.run(http_round(base, n, args.tokens, round_tag=n + 10 * r)) for n in [*counts, SAME]}
-                      for r in range(args.repeat)]
-            return {n: median_round([results[n] for results in rounds]) for n in [*counts, SAME]}
+            yield base
         finally:
             process.terminate()
             process.wait(timeout=30)
@@ -175,21 +165,51 @@ def wait_ready(base: str, process: subprocess.Popen) -> None:
     raise SystemExit("gateway did not become ready")
 
 
-def batched_bench(args: argparse.Namespace, counts: list[int]) -> dict[int, float]:
-    """llama-batched-bench's generation tokens/s (S_TG) per number of parallel sequences."""
+def batched_bench_command(args: argparse.Namespace, counts: list[int]) -> list[str]:
     tools = subprocess.run(["bash", str(ROOT / "scripts/build-llama-tools.sh"), "llama-batched-bench"],
                            capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    command = [f"{tools}/llama-batched-bench", "-m", str(resolve_model(args.model)), "-c", "8192", "-b", "512",
-               "-ub", "512", "-npp", "64", "-ntg", str(args.tokens), "-npl", ",".join(map(str, counts)),
-               "-t", str(args.threads), "-tb", str(args.threads)]
-    speeds: dict[int, list[float]] = {n: [] for n in counts}
-    for _ in range(args.repeat):
-        output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-        for line in output.splitlines():
-            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-            if len(cells) >= 8 and cells[2].isdigit():
-                speeds[int(cells[2])].append(float(cells[7]))  # | PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG |
-    return {n: statistics.median(values) for n, values in speeds.items()}
+    return [f"{tools}/llama-batched-bench", "-m", str(resolve_model(args.model)), "-c", "8192", "-b", "512",
+            "-ub", "512", "-npp", "64", "-ntg", str(args.tokens), "-npl", ",".join(map(str, counts)),
+            "-t", str(args.threads), "-tb", str(args.threads)]
+
+
+def batched_bench(command: list[str]) -> dict[int, float]:
+    """llama-batched-bench's generation tokens/s (S_TG) per number of parallel sequences."""
+    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    speeds = {}
+    for line in output.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and cells[2].isdigit():
+            speeds[int(cells[2])] = float(cells[7])  # | PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG | ...
+    return speeds
+
+
+def measure(args: argparse.Namespace, counts: list[int]) -> tuple[dict, dict, dict]:
+    """Median (over --repeat) of each side; the sides take turns within every repeat, so machine
+    noise over the run hits all three alike."""
+    rounds = [*counts, SAME]
+    tool: dict[int, list[float]] = {n: [] for n in counts}
+    engine: dict[int, list] = {n: [] for n in rounds}
+    gateway: dict[int, list] = {n: [] for n in rounds}
+    command = batched_bench_command(args, counts)
+    loop = asyncio.new_event_loop()
+    local = loop.run_until_complete(LocalModel.load(resolve_model(args.model), n_ctx=1024, n_threads=args.threads,
+                                                    n_batch=512, queue_limit=64, parallel=max(counts)))
+    try:
+        with gateway_process(args, max(counts)) as base:
+            loop.run_until_complete(engine_round(local, 1, 8, round_tag=0))  # warm-ups: weights, system prompt
+            loop.run_until_complete(http_round(base, 1, 8, round_tag=0))
+            for repeat in range(args.repeat):
+                for n, speed in batched_bench(command).items():
+                    tool[n].append(speed)
+                for n in rounds:  # a new round tag: no round's questions are cached
+                    engine[n].append(loop.run_until_complete(engine_round(local, n, args.tokens, n + 10 * repeat)))
+                    gateway[n].append(loop.run_until_complete(http_round(base, n, args.tokens, n + 10 * repeat)))
+    finally:
+        local.close()
+        loop.close()
+    return ({n: statistics.median(v) for n, v in tool.items()}, {n: median_round(v) for n, v in engine.items()},
+            {n: median_round(v) for n, v in gateway.items()})
 
 
 def main() -> None:
@@ -198,12 +218,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--streams", default="1,2,4,8")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds per stream count (the median is shown)")
+    parser.add_argument("--repeat", type=int, default=5, help="rounds per stream count (the median is shown)")
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
-    engine = asyncio.run(engine_rounds(args, counts))
-    gateway = gateway_rounds(args, counts)
-    ceiling = batched_bench(args, counts)
+    ceiling, engine, gateway = measure(args, counts)
     print(f"model {args.model}, {args.threads} threads, {args.tokens} tokens per stream; generation tok/s "
           f"(x1: speed-up over one stream; /tool: that speed-up over llama-batched-bench's)")
     print("streams  batched-bench    x1 |  engine    x1  /tool  first token p50/p95/max s |"

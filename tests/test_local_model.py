@@ -164,3 +164,13 @@ async def test_ordinary_prompts_tokenize_as_before(local):
     whole = local.template.render(messages)
     assert local.tokenize_prompt(local.template.render_parts(messages)) == \
         local._llm.tokenize(whole.encode(), add_bos=True, special=True)
+
+
+async def test_requests_arriving_together_with_one_prompt_prefill_it_once(local, solo):
+    tokens = prompt(local, SYSTEM_B, "A question nobody asked before?")
+    before = local.engine.evaluated
+    twins = await asyncio.gather(greedy(local, tokens, 2), greedy(local, tokens, 2))
+    assert local.engine.evaluated - before == len(tokens) + 1 + 2  # one prefill, one copied last token, 2 steps
+    alone = await greedy(solo, tokens, 2)
+    for twin in twins:
+        assert_same_greedy(twin, alone)
