@@ -14,6 +14,7 @@ provider (see DESIGN.md) and is set per upstream by `mode`:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -68,7 +69,8 @@ class Handoff:
     """One question to the upstream: continue `answer` after `messages`.
 
     `prefix` is the conversation as this upstream sees it (its own chat template in completions
-    mode), rendered once per request by `Upstream.handoff`.
+    mode), rendered once per request by `Upstream.handoff`; `answer` is set per hand-off by
+    `Upstream.with_answer`. Both are already neutralized (control-token strings broken).
     """
 
     prefix: str
@@ -154,12 +156,17 @@ class Upstream:
             prefix = "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages) + "\x1d"
         return Handoff(prefix, messages, "", continue_final)
 
+    def with_answer(self, handoff: Handoff, answer: str) -> Handoff:
+        """The hand-off of `answer` so far (neutralized once here, not on every use)."""
+        return dataclasses.replace(handoff, answer=self._neutral(answer))
+
     def _neutral(self, text: str) -> str:
         return neutralize(text, self._template.control if self._template else COMMON_CONTROL)
 
-    def prompt_text(self, handoff: Handoff) -> str:
+    @staticmethod
+    def prompt_text(handoff: Handoff) -> str:
         """The text the upstream is asked to continue."""
-        return handoff.prefix + self._neutral(handoff.answer)
+        return handoff.prefix + handoff.answer
 
     @property
     def worst_case_s(self) -> float:
@@ -239,13 +246,13 @@ class Upstream:
         messages, extra_body = self._chat_messages(handoff)
         return await litellm.acompletion(messages=messages, extra_body={**s.extra_body, **extra_body}, **common)
 
-    def _split(self, handoff: Handoff) -> tuple[list[dict[str, Any]], str]:
+    @staticmethod
+    def _split(handoff: Handoff) -> tuple[list[dict[str, Any]], str]:
         """The messages before the assistant's turn, and the whole partial assistant text."""
         messages = [dict(m) for m in handoff.messages]
-        answer = self._neutral(handoff.answer)
         if handoff.continue_final:  # the client's own partial assistant message comes first
-            return messages[:-1], messages[-1]["content"] + answer
-        return messages, answer
+            return messages[:-1], messages[-1]["content"] + handoff.answer
+        return messages, handoff.answer
 
     def _chat_messages(self, handoff: Handoff) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The chat messages of a hand-off, and the extra body fields its mode needs."""

@@ -16,7 +16,6 @@ is dropped and the next forward rewinds the sequence.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -204,7 +203,7 @@ class Decoding:
 
     async def _upstream_step(self, sequence: Sequence, logits: np.ndarray, signal: Signal) -> list[Piece]:
         span = max(1, min(self.request.span, self.limit - len(self.answer_tokens)))
-        handoff = dataclasses.replace(self._handoff, answer=self.text.text)
+        handoff = self.upstream.with_answer(self._handoff, self.text.text)
         call = asyncio.ensure_future(self._continuation(handoff, span))
         try:
             guesses = await self._guess(sequence, logits, signal, call)

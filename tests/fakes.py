@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,6 +95,9 @@ class FakeUpstream:
 
     def handoff(self, messages: list[dict], continue_final: bool = False) -> Handoff:
         return Handoff("", messages, "", continue_final)
+
+    def with_answer(self, handoff: Handoff, answer: str) -> Handoff:
+        return dataclasses.replace(handoff, answer=answer)
 
     def cache_key(self, handoff: Handoff, max_tokens: int, scope: str) -> str:
         return f"{scope}|{handoff.answer}|{max_tokens}"
