@@ -96,6 +96,7 @@ class Engine:
         self._pending: list[_Job] = []  # submitted, not yet taken by the loop
         self._expected: set[int] = set()  # slots that got logits and have not come back or paused
         self._closing = False
+        self._freed_since_trim = False
         self.steps = 0  # llama_decode calls
         self.evaluated = 0  # tokens those calls evaluated
         self._thread = threading.Thread(target=self._loop, name="llama-engine", daemon=True)
@@ -128,8 +129,8 @@ class Engine:
         try:
             yield sequence
         finally:
-            self._leave(slot)
             slot.owner, slot.freed_at = None, time.monotonic()
+            self._leave(slot, freed=True)
             async with self._freed:
                 self._freed.notify()
 
@@ -144,14 +145,15 @@ class Engine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             self._expected.discard(slot.id)
-            self._pending.append(_Job(slot, owner, list(tokens), future))
+            self._pending.append(_Job(slot, owner, tokens, future))
             self._cond.notify()
         return future
 
-    def _leave(self, slot: Slot) -> None:
-        """The slot's request does not submit for now: the loop must not wait for it."""
+    def _leave(self, slot: Slot, freed: bool = False) -> None:
+        """The slot's request does not submit for now (or ever, if `freed`): the loop must not wait for it."""
         with self._cond:
             self._expected.discard(slot.id)
+            self._freed_since_trim |= freed
             self._cond.notify()
 
     def forget(self) -> None:
@@ -181,7 +183,9 @@ class Engine:
                 self._gather()
                 active += self._pending
                 self._pending = []
-            self._trim_idle(IDLE_KEPT)
+                trim, self._freed_since_trim = self._freed_since_trim, False
+            if trim:  # only after a request ended: not on every step
+                self._trim_idle(IDLE_KEPT)
             active = [job for job in active if self._live(job)]
             for job in active:
                 if job.todo is None and not self._prefix_coming(job, active):
@@ -325,7 +329,8 @@ class Sequence:
         self._engine, self._slot = engine, slot
 
     async def forward(self, tokens: list[int]) -> np.ndarray:
-        """Make the sequence hold `tokens`; return the logits for the next token (float32)."""
+        """Make the sequence hold `tokens` (a list the caller no longer changes); return the
+        logits for the next token (float32)."""
         return await asyncio.wrap_future(self._engine._submit(self._slot, self, tokens))
 
     def pause(self) -> None:
