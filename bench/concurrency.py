@@ -43,6 +43,7 @@ from adapters.upstream_server import free_port
 from gateway.budget import HandoffGate, Ledger
 from gateway.decoder import DecodeRequest, Decoding
 from policies import build_policy
+from tests.conftest import wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "You are a storyteller. Write vivid, flowing prose without lists or headings. " * 3
@@ -145,24 +146,11 @@ def gateway_process(args: argparse.Namespace, parallel: int) -> Iterator[str]:
                                    env={**os.environ, "BENCH_KEY": KEY}, stdout=log, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{port}"
-            wait_ready(base, process)
+            wait_http(f"{base}/health/ready", process, timeout_s=120)
             yield base
         finally:
             process.terminate()
             process.wait(timeout=30)
-
-
-def wait_ready(base: str, process: subprocess.Popen) -> None:
-    for _ in range(600):
-        if process.poll() is not None:
-            raise SystemExit(f"gateway exited with {process.returncode}")
-        try:
-            if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("gateway did not become ready")
 
 
 def batched_bench_command(args: argparse.Namespace, counts: list[int]) -> list[str]:

@@ -53,6 +53,7 @@ import redis
 import yaml
 
 from adapters.upstream_server import free_port
+from tests.conftest import wait_http  # one readiness poll for tests and benchmarks
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_MODEL = "smollm2-135m-instruct"
@@ -162,17 +163,10 @@ class GatewayProcess:
             raise
 
     def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.process.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.base_url}/health/ready", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"gateway not ready after {timeout_s:.0f}s; see {self.log_path}")
+        try:
+            wait_http(f"{self.base_url}/health/ready", self.process, timeout_s)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; see {self.log_path}") from exc
 
     def rss_kb(self) -> int:
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
