@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -18,6 +17,7 @@ from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound,
 from gateway.runtime import Alias, Runtime
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import RoutingOverride, RoutingSettings
+from gateway.streams import merged
 from gateway.signals import Sampling
 from gateway.tenants import Tenant
 from policies import THRESHOLD_POLICIES, build_policy
@@ -37,37 +37,10 @@ class Admitted:
     decodings: list[Decoding]  # one per choice (`n`), decoded together
     left: bool = False
 
-    async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
-        """Every choice's pieces as (choice index, piece), in the order they are decoded."""
-        if len(self.decodings) == 1:
-            async for piece in self.decodings[0].pieces():
-                yield 0, piece
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def drain(index: int, decoding: Decoding) -> None:
-            try:
-                async for piece in decoding.pieces():
-                    queue.put_nowait((index, piece))
-                queue.put_nowait((index, None))
-            except Exception as exc:  # noqa: BLE001 - raised by the consumer below
-                queue.put_nowait((index, exc))
-
-        tasks = [asyncio.ensure_future(drain(i, d)) for i, d in enumerate(self.decodings)]
-        try:
-            running = len(tasks)
-            while running:
-                index, item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                if item is None:
-                    running -= 1
-                else:
-                    yield index, item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
+        """Every choice's pieces as (choice index, piece), in the order they are decoded; each
+        choice decodes in a task of its own that never waits for the client."""
+        return merged(*(decoding.pieces() for decoding in self.decodings))
 
     async def leave(self, runtime: Runtime) -> None:
         """Give back the request's parallel slot, once, whichever path ends the request first."""

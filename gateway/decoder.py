@@ -6,8 +6,7 @@ writes up to `span` tokens of text; that text is re-tokenized with the local tok
 appended (rewinding to the common prefix where the boundary re-merges), and local decoding
 carries on. A failed or refused hand-off decodes the step locally instead.
 
-Each request decodes on a sequence of its own in the local model's batched engine, in a task that
-never waits for its consumer. While a greedy request's hand-off is in flight it keeps decoding
+Each request decodes on a sequence of its own in the local model's batched engine. While a greedy request's hand-off is in flight it keeps decoding
 the local model's own greedy guess; if the upstream writes what the guess began with, the rest of
 the guess is kept (each kept step still passes the policy, as it would have in turn), otherwise it
 is dropped and the next forward rewinds the sequence.
@@ -34,7 +33,6 @@ from policies import Policy, Route, RoutingState, Signal
 
 LOCAL, UPSTREAM, CACHE = "local", "upstream", "cache"
 GUESS_LIMIT = 8  # most local tokens guessed ahead while a hand-off is in flight
-_END = object()  # the producer's last item
 RESERVATION_MARGIN_S = 30.0  # a reservation outlives its call's worst case by this much
 log = logging.getLogger("gateway.decoder")
 
@@ -129,39 +127,23 @@ class Decoding:
     async def pieces(self) -> AsyncIterator[Piece]:
         """The answer, piece by piece; the last piece releases any text still held back.
 
-        Decoding runs in a task of its own that never waits for the consumer, so a slow client
-        cannot hold up the engine's batch; closing this iterator cancels it."""
-        queue: asyncio.Queue = asyncio.Queue()
-        producer = asyncio.ensure_future(self._produce(queue.put_nowait))
-        try:
-            while (item := await queue.get()) is not _END:
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-        finally:
-            producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
-
-    async def _produce(self, emit) -> None:
-        try:
-            if self.upstream is not None and not self.gate.allowed:  # settled at admission
-                self._upstream_closed = True
-                self.usage.degrade(self.gate.refusal)
-            async with self.local.sequence(self.prompt_tokens) as sequence:
-                while self.finish_reason is None:
-                    logits = await sequence.forward(self.prompt_tokens + self.answer_tokens)
-                    signal = signal_of(logits, len(self.answer_tokens))
-                    if self._decide(signal) is Route.UPSTREAM:
-                        for piece in await self._upstream_step(sequence, logits, signal):
-                            emit(piece)
-                    else:
-                        emit(self._local_step(logits, signal))
-            tail = self.text.finish()
-            if tail:
-                emit(Piece(tail, (), self.sources[-1] if self.sources else LOCAL, None))
-            emit(_END)
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            emit(exc)
+        Decoding advances as this is iterated; the HTTP layer drains it in a task of its own
+        (`gateway.streams.merged`) so that a slow client never holds up the engine's batch."""
+        if self.upstream is not None and not self.gate.allowed:  # settled at admission
+            self._upstream_closed = True
+            self.usage.degrade(self.gate.refusal)
+        async with self.local.sequence(self.prompt_tokens) as sequence:
+            while self.finish_reason is None:
+                logits = await sequence.forward(self.prompt_tokens + self.answer_tokens)
+                signal = signal_of(logits, len(self.answer_tokens))
+                if self._decide(signal) is Route.UPSTREAM:
+                    for piece in await self._upstream_step(sequence, logits, signal):
+                        yield piece
+                else:
+                    yield self._local_step(logits, signal)
+        tail = self.text.finish()
+        if tail:
+            yield Piece(tail, (), self.sources[-1] if self.sources else LOCAL, None)
 
     # -- one step --
 
