@@ -18,8 +18,9 @@ from llama_cpp import Llama
 
 from adapters.chat_template import ChatTemplate
 from adapters.engine import ContextOverflow, Engine, QueueFull, Sequence
+from adapters.vocabulary import tokenize_parts
 
-__all__ = ["ContextOverflow", "LocalModel", "LocalModelError", "QueueFull", "system_info", "tokenize_parts"]
+__all__ = ["ContextOverflow", "LocalModel", "LocalModelError", "QueueFull", "system_info"]
 
 
 class LocalModelError(Exception):
@@ -29,15 +30,6 @@ class LocalModelError(Exception):
 def system_info() -> str:
     """llama.cpp's own report of the CPU features it was built with and uses."""
     return llama_cpp.llama_print_system_info().decode("utf-8", "replace")
-
-
-def tokenize_parts(llm: Llama, parts: list[tuple[str, bool]]) -> list[int]:
-    """Tokens of a prompt from `ChatTemplate.render_parts`: BOS if the model wants one, control
-    tokens parsed in the template's own text only, message content tokenized as plain text."""
-    tokens: list[int] = []
-    for index, (text, is_content) in enumerate(parts):
-        tokens += llm.tokenize(text.encode("utf-8"), add_bos=index == 0, special=not is_content)
-    return tokens
 
 
 class LocalModel:

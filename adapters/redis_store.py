@@ -2,7 +2,8 @@
 
 Keys (all under one prefix, all with TTLs so nothing needs sweeping; TTLs are relative, so a
 caller's clock that differs from Redis's never expires a key early):
-  {p}:win:{tenant}:{period}:{start}   hash: prompt_tokens, completion_tokens, cost_micro, requests
+  {p}:win:{tenant}:{period}:{start}   hash: prompt_tokens, completion_tokens, cost_micro, requests,
+                                      cached_tokens, compute_ms
   {p}:held:{tenant}                   zset of live reservations "id|tokens|cost_micro", score = expiry
   {p}:rate:{tenant}:{minute}          hash: requests, tokens admitted in one minute
   {p}:par:{tenant}                    zset of requests in flight, score = expiry
@@ -92,7 +93,8 @@ return 1
 """
 
 # Exactly-once settlement. KEYS: settled marker, held zset, day hash, month hash. ARGV: member,
-# prompt tokens, completion tokens, cost, day ttl, month ttl, marker ttl. Returns 1 if it billed.
+# prompt tokens, completion tokens, cost, day ttl, month ttl, marker ttl, cached tokens, compute ms.
+# Returns 1 if it billed.
 SETTLE_LUA = """
 redis.call('ZREM', KEYS[2], ARGV[1])
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[7]) then return 0 end
@@ -100,6 +102,8 @@ for i = 3, 4 do
   redis.call('HINCRBY', KEYS[i], 'prompt_tokens', ARGV[2])
   redis.call('HINCRBY', KEYS[i], 'completion_tokens', ARGV[3])
   redis.call('HINCRBY', KEYS[i], 'cost_micro', ARGV[4])
+  redis.call('HINCRBY', KEYS[i], 'cached_tokens', ARGV[8])
+  redis.call('HINCRBY', KEYS[i], 'compute_ms', ARGV[9])
   redis.call('EXPIRE', KEYS[i], ARGV[i + 2])
 end
 return 1
@@ -198,7 +202,7 @@ class RedisStore:
         (day, day_ttl), (month, month_ttl) = self._window_keys(reservation.tenant, now)
         keys = [f"{self._prefix}:settled:{reservation.id}", f"{self._prefix}:held:{reservation.tenant}", day, month]
         args = [_member(reservation), billed.prompt_tokens, billed.completion_tokens, to_micro(billed.cost_usd),
-                day_ttl + 86_400, month_ttl + 86_400, SETTLED_MEMORY_S]
+                day_ttl + 86_400, month_ttl + 86_400, SETTLED_MEMORY_S, billed.cached_tokens, round(billed.compute_ms)]
         await self._run(lambda: self._settle_script(keys=keys, args=args))
 
     async def release(self, reservation: Reservation) -> None:
@@ -225,7 +229,8 @@ class RedisStore:
         rows = await self._run(read)
         return [
             WindowUsage(period, start, int(row.get("prompt_tokens", 0)), int(row.get("completion_tokens", 0)),
-                        int(row.get("cost_micro", 0)) / 1e6, int(row.get("requests", 0)))
+                        int(row.get("cost_micro", 0)) / 1e6, int(row.get("requests", 0)),
+                        int(row.get("cached_tokens", 0)), int(row.get("compute_ms", 0)))
             for (period, start, _), row in zip(windows_of(now), rows)
         ]
 

@@ -59,9 +59,14 @@ class Reservation:
 
 @dataclass(frozen=True)
 class Billed:
+    """One upstream call as billed. Token budgets count prompt + completion tokens (cached ones
+    included: providers bill them, at a discount that `cost_usd` carries)."""
+
     prompt_tokens: int
     completion_tokens: int
     cost_usd: float
+    cached_tokens: int = 0  # of prompt_tokens, read from the upstream's cache
+    compute_ms: float = 0.0  # the upstream's own time, where it reports it
 
     @property
     def tokens(self) -> int:
@@ -76,6 +81,8 @@ class WindowUsage:
     upstream_completion_tokens: int
     upstream_cost_usd: float
     requests: int
+    upstream_cached_tokens: int = 0
+    upstream_compute_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,8 @@ class _Window:
     completion_tokens: int = 0
     cost_micro: int = 0
     requests: int = 0
+    cached_tokens: int = 0
+    compute_ms: int = 0
 
 
 @dataclass
@@ -227,6 +236,8 @@ class MemoryStore:
                 window.prompt_tokens += billed.prompt_tokens
                 window.completion_tokens += billed.completion_tokens
                 window.cost_micro += to_micro(billed.cost_usd)
+                window.cached_tokens += billed.cached_tokens
+                window.compute_ms += round(billed.compute_ms)
 
     async def release(self, reservation: Reservation) -> None:
         self._held.get(reservation.tenant, {}).pop(reservation.id, None)
@@ -242,7 +253,8 @@ class MemoryStore:
         result = []
         for period, start, _ in windows_of(now):
             w = self._windows.get((tenant, period, start), _Window())
-            result.append(WindowUsage(period, start, w.prompt_tokens, w.completion_tokens, w.cost_micro / 1e6, w.requests))
+            result.append(WindowUsage(period, start, w.prompt_tokens, w.completion_tokens, w.cost_micro / 1e6,
+                                      w.requests, w.cached_tokens, w.compute_ms))
         return result
 
     async def admit(self, tenant: str, request_id: str, limits: RateLimits, tokens: int, now: float) -> float | None:

@@ -3,6 +3,10 @@
 One class for every provider; how a half-written assistant message is continued depends on the
 provider (see DESIGN.md) and is set per upstream by `mode`:
 
+- tokens:        /v1/completions on token ids of the upstream's own chat template (llama-server,
+                 vLLM). A request's hand-offs extend one id sequence: only text new since the last
+                 hand-off is tokenized, so the server's prefix cache holds everything sent before
+                 and it evaluates only the new tokens.
 - completions:   raw /v1/completions on a prompt rendered with the upstream's own chat template
                  (vLLM, llama.cpp servers, llama-cpp-python's server).
 - chat_continue: chat with a trailing assistant message and `continue_final_message: true,
@@ -15,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +40,9 @@ litellm.disable_aiohttp_transport = True  # httpx: its aiohttp sessions leak on 
 for _name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
     logging.getLogger(_name).setLevel(logging.WARNING)  # it logs every call at INFO
 
-from adapters.chat_template import COMMON_CONTROL, ChatTemplate, neutralize  # noqa: E402
+from adapters.chat_template import COMMON_CONTROL, neutralize  # noqa: E402
+from adapters.upstream_usage import read_usage  # noqa: E402
+from adapters.vocabulary import Vocabulary  # noqa: E402
 from gateway.settings import UpstreamSettings  # noqa: E402
 
 FALLBACK_INSTRUCTION = (
@@ -70,23 +78,34 @@ class Handoff:
 
     `prefix` is the conversation as this upstream sees it (its own chat template in completions
     mode), rendered once per request by `Upstream.handoff`; `answer` is set per hand-off by
-    `Upstream.with_answer`. Both are already neutralized (control-token strings broken).
+    `Upstream.with_answer`. Both are already neutralized (control-token strings broken), except
+    in tokens mode, where content is tokenized as plain text instead and `prefix_ids` /
+    `answer_ids` are what is sent. `request_key` names the request in providers' cache hints.
     """
 
     prefix: str
     messages: list[dict[str, Any]]
     answer: str = ""
     continue_final: bool = False
+    prefix_ids: tuple[int, ...] = ()
+    answer_ids: tuple[int, ...] = ()
+    request_key: str = ""
+
+    @property
+    def ids(self) -> list[int]:
+        return [*self.prefix_ids, *self.answer_ids]
 
 
 @dataclass(frozen=True)
 class Continuation:
     text: str
     finished: bool  # the upstream ended its answer within this call
-    prompt_tokens: int  # billed
+    prompt_tokens: int  # billed, cached ones included
     completion_tokens: int  # billed
-    cost_usd: float
+    cost_usd: float  # cached prompt tokens at the cached price
     latency_s: float
+    cached_tokens: int = 0  # prompt tokens the upstream read from its cache
+    compute_ms: float | None = None  # the upstream's own prompt + generation time, where it reports it
 
 
 class CircuitBreaker:
@@ -133,32 +152,56 @@ class CircuitBreaker:
 class Upstream:
     """A large model that continues partial answers. Safe to share across requests."""
 
-    def __init__(self, name: str, settings: UpstreamSettings, template: ChatTemplate | None,
-                 count_tokens: Any = None) -> None:
+    def __init__(self, name: str, settings: UpstreamSettings, vocab: Vocabulary | None) -> None:
+        if settings.mode in ("tokens", "completions") and vocab is None:
+            raise ValueError(f"upstream '{name}': {settings.mode} mode needs the upstream's vocabulary")
         self.name = name
         self.settings = settings
-        self._template = template
-        self._count_tokens = count_tokens  # text -> int, the upstream's own tokenizer if known
+        self._vocab = vocab  # the upstream's own tokenizer and chat template, if known
+        self._template = vocab.template if vocab else None
         self._breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_cooldown_s)
 
     @property
     def available(self) -> bool:
         return self._breaker.allows(time.monotonic())
 
+    @property
+    def warms(self) -> bool:
+        """Should a routed request send its prompt ahead of the first hand-off (`warm`)?"""
+        return self.settings.warm
+
     def handoff(self, messages: list[dict[str, Any]], continue_final: bool = False) -> Handoff:
         """A hand-off of an empty answer; the decoder replaces `answer` as the answer grows.
 
         Control-token strings in the content are neutralized: the upstream reads them as text."""
+        key = uuid.uuid4().hex
+        if self.settings.mode == "tokens":
+            ids = self._vocab.prompt_ids(self._template.render_parts(messages, continue_final))
+            return Handoff("", messages, "", continue_final, prefix_ids=tuple(ids), request_key=key)
         messages = [{**m, "content": self._neutral(m["content"])} for m in messages]
         if self.settings.mode == "completions":
             prefix = self._template.render(messages, continue_final)
         else:  # a stable serialisation, for cache keys and token estimates
             prefix = "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages) + "\x1d"
-        return Handoff(prefix, messages, "", continue_final)
+        return Handoff(prefix, messages, "", continue_final, request_key=key)
 
     def with_answer(self, handoff: Handoff, answer: str) -> Handoff:
-        """The hand-off of `answer` so far (neutralized once here, not on every use)."""
-        return dataclasses.replace(handoff, answer=self._neutral(answer))
+        """The hand-off of `answer` so far, given the previous hand-off of this request.
+
+        Text modes neutralize the answer once here. Tokens mode extends the previous answer ids:
+        only the new text is tokenized, together with the last id sent (so a boundary that merges
+        becomes one token), and every earlier id stays as the upstream already holds it."""
+        if self.settings.mode != "tokens":
+            return dataclasses.replace(handoff, answer=self._neutral(answer))
+        if answer == handoff.answer:
+            return handoff
+        if not handoff.answer_ids or not answer.startswith(handoff.answer):
+            ids = self._vocab.text_ids(answer.encode("utf-8"))
+        else:
+            last = handoff.answer_ids[-1]
+            tail = self._vocab.token_bytes(last) + answer[len(handoff.answer):].encode("utf-8")
+            ids = [*handoff.answer_ids[:-1], *self._vocab.text_ids(tail)]
+        return dataclasses.replace(handoff, answer=answer, answer_ids=tuple(ids))
 
     def _neutral(self, text: str) -> str:
         return neutralize(text, self._template.control if self._template else COMMON_CONTROL)
@@ -177,29 +220,45 @@ class Upstream:
         """Key of a greedy continuation: everything that changes the upstream's answer, in `scope`
         (a tenant, or the tenants sharing a cache), hashed so no prompt text is stored in a key."""
         s = self.settings
+        prompt = handoff.ids if s.mode == "tokens" else self.prompt_text(handoff)
         parts = [scope, self.name, s.model, s.api_base, s.mode, s.extra_body, handoff.continue_final, max_tokens,
-                 self.prompt_text(handoff)]
+                 prompt]
         return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
     def estimate_prompt_tokens(self, handoff: Handoff) -> int:
         """Billed prompt tokens of this hand-off: exact with the upstream's tokenizer, else an
         over-estimate from tiktoken (cl100k, plus 25%) so a reservation rarely falls short."""
+        if self.settings.mode == "tokens":
+            return len(handoff.prefix_ids) + len(handoff.answer_ids)
         text = self.prompt_text(handoff)
-        if self._count_tokens is not None:
-            return self._count_tokens(text)
+        if self._vocab is not None:
+            return self._vocab.count(text)
         return int(litellm.token_counter(model="gpt-4o", text=text) * 1.25) + 8
 
-    def estimate_cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        """Price of a call of this size: the configured price, else litellm's price map, else 0."""
+    @functools.cached_property
+    def prices(self) -> tuple[float, float, float]:
+        """USD per token: (input, cached input, output). The configured prices, else litellm's map,
+        else 0. Cached input without a known price costs the full input price: a discount nobody
+        stated is never assumed."""
         s = self.settings
         if s.input_usd_per_mtok is not None or s.output_usd_per_mtok is not None:
-            return (prompt_tokens * (s.input_usd_per_mtok or 0.0) + completion_tokens * (s.output_usd_per_mtok or 0.0)) / 1e6
-        try:
-            prompt_cost, completion_cost = litellm.cost_per_token(
-                model=s.model, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
-        except Exception:  # noqa: BLE001 - litellm raises bare Exception for unmapped models
-            return 0.0
-        return prompt_cost + completion_cost
+            given = (s.input_usd_per_mtok or 0.0) / 1e6, (s.output_usd_per_mtok or 0.0) / 1e6
+            known_cached = None
+        else:
+            try:
+                info = litellm.get_model_info(s.model)
+            except Exception:  # noqa: BLE001 - litellm raises bare Exception for unmapped models
+                info = {}
+            given = info.get("input_cost_per_token") or 0.0, info.get("output_cost_per_token") or 0.0
+            known_cached = info.get("cache_read_input_token_cost")
+        if s.cached_input_usd_per_mtok is not None:
+            known_cached = s.cached_input_usd_per_mtok / 1e6
+        return given[0], given[0] if known_cached is None else known_cached, given[1]
+
+    def estimate_cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float:
+        """Price of a call of this size, `cached_tokens` of its prompt at the cached price."""
+        fresh, cached, output = self.prices
+        return (prompt_tokens - cached_tokens) * fresh + cached_tokens * cached + completion_tokens * output
 
     async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float,
                             top_p: float, seed: int | None) -> Continuation:
@@ -241,10 +300,14 @@ class Upstream:
         )
         if seed is not None:
             common["seed"] = seed
+        if s.mode == "tokens":
+            return await litellm.atext_completion(prompt=handoff.ids, extra_body={"cache_prompt": True, **s.extra_body},
+                                                  **common)
         if s.mode == "completions":
             return await litellm.atext_completion(prompt=self.prompt_text(handoff), extra_body=s.extra_body, **common)
         messages, extra_body = self._chat_messages(handoff)
-        return await litellm.acompletion(messages=messages, extra_body={**s.extra_body, **extra_body}, **common)
+        messages, hints = cache_hints(s.model, messages, handoff.request_key)
+        return await litellm.acompletion(messages=messages, extra_body={**s.extra_body, **extra_body, **hints}, **common)
 
     @staticmethod
     def _split(handoff: Handoff) -> tuple[list[dict[str, Any]], str]:
@@ -270,19 +333,38 @@ class Upstream:
 
     def _continuation(self, handoff: Handoff, response: Any, latency_s: float) -> Continuation:
         choice = response.choices[0]
-        text = choice.text if self.settings.mode == "completions" else (choice.message.content or "")
+        text = choice.text if self.settings.mode in ("tokens", "completions") else (choice.message.content or "")
         if self.settings.mode == "chat_fallback":
             text = strip_echo(self._split(handoff)[1], text)
-        usage = getattr(response, "usage", None)
-        prompt_tokens = getattr(usage, "prompt_tokens", None) or self.estimate_prompt_tokens(handoff)
-        completion_tokens = getattr(usage, "completion_tokens", None)
+        usage = read_usage(response)
+        prompt_tokens = usage.prompt_tokens or self.estimate_prompt_tokens(handoff)
+        completion_tokens = usage.completion_tokens
         if completion_tokens is None:
             completion_tokens = litellm.token_counter(model="gpt-4o", text=text)
         return Continuation(
             text=text, finished=choice.finish_reason == "stop",
-            prompt_tokens=int(prompt_tokens), completion_tokens=int(completion_tokens),
-            cost_usd=self.estimate_cost(int(prompt_tokens), int(completion_tokens)), latency_s=latency_s,
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            cost_usd=self.estimate_cost(prompt_tokens, completion_tokens, usage.cached_tokens), latency_s=latency_s,
+            cached_tokens=usage.cached_tokens, compute_ms=usage.compute_ms,
         )
+
+
+def cache_hints(model: str, messages: list[dict[str, Any]], key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """What makes one request's consecutive hand-offs read the provider's prompt cache: Anthropic
+    caches up to a `cache_control` mark (set on the last message before the answer); OpenAI and
+    Mistral route by `prompt_cache_key`. Other providers cache on their own (or not at all) and
+    get nothing they might refuse as unknown."""
+    provider = model.split("/", 1)[0]
+    if provider == "anthropic":
+        marked = [dict(m) for m in messages]
+        last = max((i for i, m in enumerate(marked) if m["role"] != "assistant"), default=None)
+        if last is not None:
+            content = marked[last]["content"]
+            marked[last]["content"] = [{"type": "text", "text": content, "cache_control": {"type": "ephemeral"}}]
+        return marked, {}
+    if provider in ("openai", "mistral"):
+        return messages, {"prompt_cache_key": key}
+    return messages, {}
 
 
 def strip_echo(answer: str, text: str, min_overlap: int = 4) -> str:

@@ -1,4 +1,9 @@
-"""A llama-cpp-python OpenAI server started as a child process: the embedded loopback upstream.
+"""An OpenAI-compatible server started as a child process: the embedded loopback upstream.
+
+Either llama.cpp's own `llama-server` (the default: it keeps each sequence's KV cache between
+calls, so a hand-off that extends the previous one evaluates only the new tokens, and it reports
+its timings), built from the pinned llama-cpp-python sdist by scripts/setup.sh and linked into
+the virtual environment's bin/, or `python -m llama_cpp.server`.
 
 `supervise()` restarts the child on the same port when it dies; meanwhile hand-offs fail fast
 (the upstream's circuit breaker opens) and requests are answered locally.
@@ -9,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from gateway.settings import LaunchSettings
 
 log = logging.getLogger("gateway.upstream_server")
 
@@ -33,19 +40,41 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class UpstreamServer:
-    """`python -m llama_cpp.server` on 127.0.0.1, stopped with the gateway (and with its parent)."""
+def llama_server_binary() -> str:
+    """The `llama-server` next to this Python (scripts/setup.sh links it there), else on PATH."""
+    beside = Path(sys.executable).parent / "llama-server"
+    found = str(beside) if os.access(beside, os.X_OK) else shutil.which("llama-server")
+    if found is None:
+        raise UpstreamServerError("llama-server not found: run scripts/setup.sh (it builds it), or set "
+                                  "launch.server: llama-cpp-python")
+    return found
 
-    def __init__(self, gguf: Path, port: int, n_threads: int, n_ctx: int, alias: str) -> None:
-        self.port = port or free_port()
+
+def server_command(gguf: Path, launch: LaunchSettings, port: int, alias: str) -> list[str]:
+    """The command line of the child server."""
+    if launch.server == "llama-cpp-python":
+        return [
+            sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", alias,
+            "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(launch.n_threads),
+            "--n_threads_batch", str(launch.n_threads), "--n_ctx", str(launch.n_ctx), "--verbose", "False",
+        ]
+    return [
+        llama_server_binary(), "--model", str(gguf), "--alias", alias, "--host", "127.0.0.1", "--port", str(port),
+        "--threads", str(launch.n_threads), "--threads-batch", str(launch.n_threads),
+        "--parallel", str(launch.parallel), "--kv-unified", "--kv-unified-per-slot", str(launch.n_ctx),
+        "--no-webui", "--log-disable",
+    ]
+
+
+class UpstreamServer:
+    """A child server on 127.0.0.1 (see `server_command`), stopped with the gateway (and with its parent)."""
+
+    def __init__(self, gguf: Path, launch: LaunchSettings, alias: str) -> None:
+        self.port = launch.port or free_port()
         self.alias = alias
         self.api_base = f"http://127.0.0.1:{self.port}/v1"
         self.restarts = 0
-        self._command = [
-            sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", alias,
-            "--host", "127.0.0.1", "--port", str(self.port), "--n_threads", str(n_threads),
-            "--n_threads_batch", str(n_threads), "--n_ctx", str(n_ctx), "--verbose", "False",
-        ]
+        self._command = server_command(gguf, launch, self.port, alias)
         # A file, not a pipe: a chatty child would block once a pipe nobody reads fills up.
         self._log = tempfile.NamedTemporaryFile(prefix=f"upstream-{alias}-", suffix=".log", delete=False)
         self._process = self._spawn()

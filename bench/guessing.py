@@ -26,7 +26,7 @@ from adapters.upstream_server import UpstreamServer
 from gateway.budget import HandoffGate, Ledger
 from gateway.decoder import GUESS_LIMIT, DecodeRequest, Decoding
 from gateway.runtime import make_upstream
-from gateway.settings import UpstreamSettings
+from gateway.settings import LaunchSettings, UpstreamSettings
 from policies import build_policy
 
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle works.",
@@ -70,7 +70,8 @@ async def main() -> None:
     args = parser.parse_args()
     local = await LocalModel.load(resolve_model(args.local), n_ctx=1024, n_threads=1, n_batch=256,
                                   queue_limit=4)
-    server = UpstreamServer(resolve_model(args.upstream), 0, n_threads=1, n_ctx=2048, alias="up")
+    launch = LaunchSettings(gguf=args.upstream, server="llama-cpp-python", n_threads=1, n_ctx=2048)
+    server = UpstreamServer(resolve_model(args.upstream), launch, alias="up")
     try:
         await server.wait_ready()
         settings = UpstreamSettings(model="text-completion-openai/up", api_base=server.api_base, mode="completions",

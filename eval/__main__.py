@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="items decoded at once in the local model's batched engine (default 1)")
     run.add_argument("--upstream", default=UPSTREAM, help=f"upstream model (default {UPSTREAM})")
     run.add_argument("--upstream-api-base", help="use this running /v1 completions server instead of launching one")
+    run.add_argument("--upstream-server", default="llama-server", choices=["llama-server", "llama-cpp-python"],
+                     help="the launched upstream: llama-server in tokens mode (default; hand-offs extend one cached "
+                          "sequence) or llama-cpp-python's server in completions mode (text prompts)")
+    run.add_argument("--warm", action="store_true", help="tokens mode: send each prompt to the upstream as an item starts")
     run.add_argument("--max-tokens", type=int, help=f"answer length limit (default {MAX_TOKENS})")
     run.add_argument("--block", type=int, default=25, help="summary.json is rewritten every this many items")
     run.add_argument("--n-ctx", type=int, default=2048)
@@ -135,7 +139,7 @@ async def _run_async(args: argparse.Namespace, plan: Any, total: int) -> dict[st
     _quiet_unclosed_sessions()
     options = ModelOptions(args.local, args.upstream, args.n_ctx, args.threads, args.input_usd_per_mtok,
                            args.output_usd_per_mtok, upstream_api_base=args.upstream_api_base,
-                           parallel=args.parallel)
+                           parallel=args.parallel, upstream_server=args.upstream_server, warm=args.warm)
     models = await open_models(options, with_upstream=any(s.uses_upstream for s in plan.configs))
     try:
         with tqdm(total=total, unit="item", mininterval=2.0, dynamic_ncols=True) as bar:
@@ -171,6 +175,7 @@ def _meta(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dataset": args.dataset, "rows": args.rows,
         "data": str(args.data or "default"), "configs": [s.name for s in plan.configs],
         "local": model(args.local), "upstream": model(args.upstream), "threads": args.threads,
+        "upstream_server": args.upstream_server, "warm": args.warm,
         "n_ctx": args.n_ctx, "max_tokens": plan.max_tokens, "greedy": True,
         "prices_usd_per_mtok": {"input": args.input_usd_per_mtok, "output": args.output_usd_per_mtok},
         "instructions": {"csqa": datasets.CSQA_INSTRUCTION, "gsm8k": datasets.GSM8K_INSTRUCTION},

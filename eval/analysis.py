@@ -19,7 +19,7 @@ import numpy as np
 from llama_cpp import Llama
 
 from adapters.chat_template import ChatTemplate
-from adapters.local_model import tokenize_parts
+from adapters.vocabulary import tokenize_parts
 from eval.datasets import Item
 from gateway.signals import signal_of
 

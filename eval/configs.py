@@ -7,6 +7,8 @@
                           upstream's (see eval/oracle.py)
     entropy@T, top1@T, margin@T, target_fraction@F
                           token-level routing with the gateway's own policies, span 1, no caps
+    ...,span=N,until=R    the same with up to N upstream tokens per hand-off, cut at the first
+                          word / line / sentence boundary when R is given (gateway/spans.py)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import yaml
 from policies import THRESHOLD_POLICIES, Policy, build_policy
 
 ROUTED = (*THRESHOLD_POLICIES, "target_fraction")
+SPAN_RULES = ("tokens", "word", "line", "sentence")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,8 @@ class ConfigSpec:
     name: str
     policy: str
     value: float | None = None
+    span_tokens: int = 1
+    until: str = "tokens"
     # target_fraction's window of recent entropies, shared by all items of the config as the
     # gateway shares it by all requests of an alias
     history: deque[float] = field(default_factory=deque, compare=False, repr=False)
@@ -43,7 +48,7 @@ class ConfigSpec:
         return {"never": "local", "always": "upstream"}.get(self.policy, self.policy)
 
     def span(self, max_tokens: int) -> int:
-        return max_tokens if self.policy == "always" else 1
+        return max_tokens if self.policy == "always" else self.span_tokens
 
     def policy_object(self) -> Policy:
         """A fresh policy for one item (the oracle is built per item by the runner instead)."""
@@ -55,17 +60,22 @@ class ConfigSpec:
 
 
 def parse_config(text: str) -> ConfigSpec:
-    """'local' | 'upstream' | 'oracle' | '<policy>@<value>' -> ConfigSpec; ValueError otherwise."""
+    """'local' | 'upstream' | 'oracle' | '<policy>@<value>[,span=N][,until=R]' -> ConfigSpec;
+    ValueError otherwise."""
     fixed = {"local": "never", "upstream": "always", "oracle": "oracle"}
     if text in fixed:
         return ConfigSpec(text, fixed[text])
-    policy, sep, value = text.partition("@")
+    head, *options = text.split(",")
+    policy, sep, value = head.partition("@")
     if not sep or policy not in ROUTED:
         raise ValueError(f"bad config {text!r}: use local, upstream, oracle or <{'|'.join(ROUTED)}>@<value>")
     number = float(value)
     if policy == "target_fraction" and not 0 < number <= 1:
         raise ValueError(f"bad config {text!r}: a target fraction is in (0, 1]")
-    return ConfigSpec(text, policy, number)
+    spans = dict(option.partition("=")[::2] for option in options)
+    if set(spans) - {"span", "until"} or spans.get("until", "tokens") not in SPAN_RULES:
+        raise ValueError(f"bad config {text!r}: options are span=<tokens> and until=<{'|'.join(SPAN_RULES)}>")
+    return ConfigSpec(text, policy, number, int(spans.get("span", 1)), spans.get("until", "tokens"))
 
 
 def configs_from_snippet(path: Path, keys: list[str] | None = None) -> list[ConfigSpec]:

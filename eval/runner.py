@@ -134,7 +134,7 @@ async def evaluate(models: Models, plan: RunPlan, spec: ConfigSpec, item: Item,
     else:
         policy = spec.policy_object()
     request = DecodeRequest(messages=item.messages, max_tokens=plan.max_tokens, policy=policy,
-                            span=spec.span(plan.max_tokens))
+                            span=spec.span(plan.max_tokens), span_until=spec.until)
     record: dict[str, Any] = {"id": item.id, "row": item.row, "config": spec.name, "dataset": plan.dataset,
                               "gold": item.gold}
     try:
@@ -183,6 +183,8 @@ def _outcome(dataset: str, item: Item, decoding: Decoding, wall: float, signals:
         "sources": "".join(source[0].upper() for source in decoding.sources),
         "upstream_calls": usage.upstream_calls, "upstream_prompt_tokens": usage.upstream_prompt_tokens,
         "upstream_completion_tokens": usage.upstream_completion_tokens,
+        "upstream_cached_tokens": usage.upstream_cached_tokens,
+        "upstream_compute_ms": round(usage.upstream_compute_ms, 1),
         "upstream_cost_usd": usage.upstream_cost_usd, "degraded": list(usage.degraded),
         "finish_reason": decoding.finish_reason, "wall_s": round(wall, 4),
         "prompt_tokens": len(decoding.prompt_tokens),
@@ -198,6 +200,7 @@ def _failed(reason: str) -> dict[str, Any]:
         "text": "", "pred": None, "correct": False, "rule": "none", "error": reason,
         "answer_tokens": 0, "local_tokens": 0, "upstream_tokens": 0, "cache_tokens": 0, "sources": "",
         "upstream_calls": 0, "upstream_prompt_tokens": 0, "upstream_completion_tokens": 0,
+        "upstream_cached_tokens": 0, "upstream_compute_ms": 0.0,
         "upstream_cost_usd": 0.0, "degraded": ["error"], "finish_reason": "error", "wall_s": 0.0,
         "prompt_tokens": 0, "mean_entropy": 0.0, "max_entropy": 0.0, "first_entropy": 0.0, "mean_top1": 1.0,
     }

@@ -1,9 +1,10 @@
 """The models of an evaluation: the local model in-process, the upstream as a real server process.
 
-The upstream is a `python -m llama_cpp.server` child on loopback, reached over HTTP through
-litellm exactly as the gateway reaches any upstream (completions mode, the upstream's own chat
-template). `repeat_penalty: 1.0` makes that server greedy at temperature 0 (its default of 1.1
-would not be).
+The upstream is a child server on loopback, reached over HTTP through litellm exactly as the
+gateway reaches any upstream, on the upstream's own chat template: llama.cpp's `llama-server` in
+tokens mode (the default: hand-offs extend one cached sequence), or `python -m llama_cpp.server`
+in completions mode (the runs before tokens mode existed). `repeat_penalty: 1.0` keeps either
+server greedy at temperature 0 (llama-cpp-python's default of 1.1 would not be).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from adapters.model_files import resolve_model
 from adapters.upstream import Upstream
 from adapters.upstream_server import UpstreamServer
 from gateway.runtime import make_upstream
-from gateway.settings import UpstreamSettings
+from gateway.settings import LaunchSettings, UpstreamSettings
 
 
 @dataclass
@@ -45,6 +46,12 @@ class ModelOptions:
     timeout_s: float = 300.0
     upstream_api_base: str | None = None  # an already running completions server: launch none
     parallel: int = 1  # sequences of the local model's engine (items decoded at once)
+    upstream_server: str = "llama-server"  # or llama-cpp-python (text prompts, no KV reuse between calls)
+    warm: bool = False  # tokens mode: send the prompt when an item starts
+
+    @property
+    def upstream_mode(self) -> str:
+        return "tokens" if self.upstream_server == "llama-server" else "completions"
 
 
 async def open_models(options: ModelOptions, with_upstream: bool) -> Models:
@@ -59,7 +66,9 @@ async def open_models(options: ModelOptions, with_upstream: bool) -> Models:
         gguf = resolve_model(options.upstream, fetch=True)  # its chat template renders the prompts
         api_base = options.upstream_api_base
         if api_base is None:
-            server = UpstreamServer(gguf, 0, options.threads, options.n_ctx, "eval-upstream")
+            launch = LaunchSettings(gguf=str(gguf), server=options.upstream_server, n_threads=options.threads,
+                                    n_ctx=options.n_ctx, parallel=max(2, options.parallel))
+            server = UpstreamServer(gguf, launch, "eval-upstream")
             await server.wait_ready(timeout_s=300.0)
             api_base = server.api_base
         upstream = make_upstream("eval-upstream", upstream_settings(options, api_base, str(gguf)))
@@ -72,9 +81,10 @@ async def open_models(options: ModelOptions, with_upstream: bool) -> Models:
 
 
 def upstream_settings(options: ModelOptions, api_base: str, template_gguf: str) -> UpstreamSettings:
-    """Completions mode on the upstream's own template; greedy; the assumed prices."""
+    """Tokens (or completions) mode on the upstream's own template; greedy; the assumed prices."""
     return UpstreamSettings(
-        model="text-completion-openai/eval-upstream", api_base=api_base, mode="completions",
+        model="text-completion-openai/eval-upstream", api_base=api_base, mode=options.upstream_mode,
+        warm=options.warm and options.upstream_mode == "tokens",
         template_gguf=template_gguf, extra_body={"repeat_penalty": 1.0}, timeout_s=options.timeout_s,
         retries=1, input_usd_per_mtok=options.input_usd_per_mtok, output_usd_per_mtok=options.output_usd_per_mtok,
     )

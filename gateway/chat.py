@@ -116,7 +116,7 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, rout
         messages=wire_messages(body), max_tokens=max_tokens, policy=policy,
         sampling=Sampling(body.temperature, body.top_p), seed=None if body.seed is None else body.seed + choice,
         stop=tuple(body.stop or ()),
-        span=routing.span, continue_final=body.continue_final_message,
+        span=routing.span, span_until=routing.span_until, continue_final=body.continue_final_message,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
     )
     try:

@@ -28,6 +28,7 @@ from adapters.store import Billed
 from adapters.upstream import Continuation, Handoff, Upstream, UpstreamRejected, UpstreamUnavailable
 from gateway.budget import HandoffGate
 from gateway.signals import Sampling, log_softmax, sample, signal_of
+from gateway.spans import cut_span
 from gateway.text_stream import TextReleaser
 from policies import Policy, Route, RoutingState, Signal
 
@@ -65,6 +66,7 @@ class DecodeRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     span: int = 1
+    span_until: str = "tokens"  # word | line | sentence: keep a hand-off's text up to that boundary
     continue_final: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
@@ -86,9 +88,11 @@ class RoutingUsage:
 
     policy: str
     guess_kept_tokens: int = 0  # local tokens decoded during hand-offs and kept
-    upstream_calls: int = 0
+    upstream_calls: int = 0  # hand-offs answered by the upstream (a warm-up is billed but not counted here)
     upstream_prompt_tokens: int = 0
     upstream_completion_tokens: int = 0
+    upstream_cached_tokens: int = 0  # of the prompt tokens, those the upstream read from its cache
+    upstream_compute_ms: float = 0.0  # the upstream's own prompt + generation time, where it reports it
     upstream_cost_usd: float = 0.0
     degraded: list[str] = field(default_factory=list)
 
@@ -96,10 +100,12 @@ class RoutingUsage:
         if reason not in self.degraded:
             self.degraded.append(reason)
 
-    def bill(self, continuation: Continuation) -> None:
-        self.upstream_calls += 1
+    def bill(self, continuation: Continuation, warm: bool = False) -> None:
+        self.upstream_calls += 0 if warm else 1
         self.upstream_prompt_tokens += continuation.prompt_tokens
         self.upstream_completion_tokens += continuation.completion_tokens
+        self.upstream_cached_tokens += continuation.cached_tokens
+        self.upstream_compute_ms += continuation.compute_ms or 0.0
         self.upstream_cost_usd += continuation.cost_usd
 
 
@@ -120,6 +126,7 @@ class Decoding:
         self._rng = np.random.default_rng(request.seed)
         self._upstream_closed = upstream is None
         self._handoff = upstream.handoff(request.messages, request.continue_final) if upstream else None
+        self._warming: asyncio.Future | None = None  # the warm-up call, until the first hand-off waits for it
 
     def source_counts(self) -> dict[str, int]:
         return {name: self.sources.count(name) for name in (LOCAL, UPSTREAM, CACHE)}
@@ -132,18 +139,28 @@ class Decoding:
         if self.upstream is not None and not self.gate.allowed:  # settled at admission
             self._upstream_closed = True
             self.usage.degrade(self.gate.refusal)
-        async with self.local.sequence(self.prompt_tokens) as sequence:
-            while self.finish_reason is None:
-                logits = await sequence.forward(self.prompt_tokens + self.answer_tokens)
-                signal = signal_of(logits, len(self.answer_tokens))
-                if self._decide(signal) is Route.UPSTREAM:
-                    for piece in await self._upstream_step(sequence, logits, signal):
-                        yield piece
-                else:
-                    yield self._local_step(logits, signal)
+        if self._may_route() and self.upstream.warms:
+            self._warming = asyncio.ensure_future(self._call_upstream(self._handoff, 0))
+        try:
+            async with self.local.sequence(self.prompt_tokens) as sequence:
+                while self.finish_reason is None:
+                    logits = await sequence.forward(self.prompt_tokens + self.answer_tokens)
+                    signal = signal_of(logits, len(self.answer_tokens))
+                    if self._decide(signal) is Route.UPSTREAM:
+                        for piece in await self._upstream_step(sequence, logits, signal):
+                            yield piece
+                    else:
+                        yield self._local_step(logits, signal)
+        finally:
+            if self._warming is not None:
+                self._warming.cancel()
+                await asyncio.gather(self._warming, return_exceptions=True)
         tail = self.text.finish()
         if tail:
             yield Piece(tail, (), self.sources[-1] if self.sources else LOCAL, None)
+
+    def _may_route(self) -> bool:
+        return not self._upstream_closed and self.request.policy.name != "never" and self.upstream.available
 
     # -- one step --
 
@@ -185,8 +202,8 @@ class Decoding:
 
     async def _upstream_step(self, sequence: Sequence, logits: np.ndarray, signal: Signal) -> list[Piece]:
         span = max(1, min(self.request.span, self.limit - len(self.answer_tokens)))
-        handoff = self.upstream.with_answer(self._handoff, self.text.text)
-        call = asyncio.ensure_future(self._continuation(handoff, span))
+        self._handoff = self.upstream.with_answer(self._handoff, self.text.text)
+        call = asyncio.ensure_future(self._continuation(self._handoff, span))
         try:
             guesses = await self._guess(sequence, logits, signal, call)
             got = await call
@@ -238,13 +255,24 @@ class Decoding:
         return pieces
 
     async def _continuation(self, handoff: Handoff, span: int) -> tuple[str, bool, str] | None:
-        """(text, finished, source) from the cache or the upstream; None to decode locally."""
+        """(text, finished, source) from the cache or the upstream, cut at the request's span
+        boundary; None to decode locally."""
+        got = await self._uncut_continuation(handoff, span)
+        if got is None:
+            return None
+        text, cut = cut_span(got[0], self.request.span_until)
+        return text, got[1] and not cut, got[2]
+
+    async def _uncut_continuation(self, handoff: Handoff, span: int) -> tuple[str, bool, str] | None:
         deterministic = self.request.sampling.greedy
         key = self.upstream.cache_key(handoff, span, self.gate.cache_scope)
         if deterministic:
             cached = await self.gate.cache_get(key)
             if cached is not None:
                 return cached[1:], cached[0] == "1", CACHE
+        if self._warming is not None:  # the warm-up's sequence is the one this hand-off extends
+            await asyncio.gather(self._warming, return_exceptions=True)
+            self._warming = None
         continuation = await self._call_upstream(handoff, span)
         if continuation is None:
             return None
@@ -253,6 +281,10 @@ class Decoding:
         return continuation.text, continuation.finished, UPSTREAM
 
     async def _call_upstream(self, handoff: Handoff, span: int) -> Continuation | None:
+        """Reserve, call, settle. `span` 0 is a warm-up: the upstream reads the prompt into its cache
+        (and writes one token, since servers always sample one, which is ignored); it is billed but
+        not counted as a hand-off."""
+        warm, span = span == 0, max(1, span)
         estimate = self.upstream.estimate_prompt_tokens(handoff) + span
         reservation = await self.gate.reserve(estimate, self.upstream.estimate_cost(estimate - span, span),
                                               ttl_s=self.upstream.worst_case_s + RESERVATION_MARGIN_S)
@@ -276,9 +308,10 @@ class Decoding:
         except BaseException:
             await asyncio.shield(self.gate.release(reservation))
             raise
-        self.usage.bill(continuation)
+        self.usage.bill(continuation, warm)
         await asyncio.shield(self.gate.settle(reservation, Billed(
-            continuation.prompt_tokens, continuation.completion_tokens, continuation.cost_usd)))
+            continuation.prompt_tokens, continuation.completion_tokens, continuation.cost_usd,
+            continuation.cached_tokens, continuation.compute_ms or 0.0)))
         return continuation
 
     # -- helpers --

@@ -82,6 +82,12 @@ class Metrics:
                                               ["alias"], registry=r)
         self.upstream_completion_tokens = Counter("gateway_upstream_completion_tokens",
                                                   "Completion tokens billed by upstreams.", ["alias"], registry=r)
+        self.upstream_cached_tokens = Counter("gateway_upstream_cached_tokens",
+                                              "Prompt tokens upstreams read from their cache (billed at the cached price).",
+                                              ["alias"], registry=r)
+        self.upstream_compute = Counter("gateway_upstream_compute_seconds",
+                                        "Upstreams' own prompt + generation time, where they report it.",
+                                        ["alias"], registry=r)
         self.upstream_cost = Counter("gateway_upstream_cost_usd", "Upstream cost in USD.", ["alias"], registry=r)
 
     def render(self) -> bytes:
@@ -312,6 +318,8 @@ class MeteredUpstream:
         m.upstream_latency.labels(alias).observe(time.perf_counter() - started)
         m.upstream_prompt_tokens.labels(alias).inc(continuation.prompt_tokens)
         m.upstream_completion_tokens.labels(alias).inc(continuation.completion_tokens)
+        m.upstream_cached_tokens.labels(alias).inc(continuation.cached_tokens)
+        m.upstream_compute.labels(alias).inc((continuation.compute_ms or 0.0) / 1000)
         m.upstream_cost.labels(alias).inc(continuation.cost_usd)
         return continuation
 

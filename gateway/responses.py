@@ -28,6 +28,8 @@ def usage_of(admitted: Admitted) -> dict[str, Any]:
             "upstream_calls": sum(u.upstream_calls for u in usages),
             "upstream_prompt_tokens": sum(u.upstream_prompt_tokens for u in usages),
             "upstream_completion_tokens": sum(u.upstream_completion_tokens for u in usages),
+            "upstream_cached_tokens": sum(u.upstream_cached_tokens for u in usages),
+            "upstream_compute_ms": round(sum(u.upstream_compute_ms for u in usages), 1),
             "upstream_cost_usd": round(sum(u.upstream_cost_usd for u in usages), 8),
             "degraded": list(dict.fromkeys(reason for u in usages for reason in u.degraded)),
         },

@@ -9,15 +9,13 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from llama_cpp import Llama
-
-from adapters.chat_template import ChatTemplate
 from adapters.local_model import LocalModel, system_info
 from adapters.model_files import resolve_model
 from adapters.redis_store import RedisStore
 from adapters.store import MemoryStore, Store
 from adapters.upstream import Upstream
 from adapters.upstream_server import UpstreamServer
+from adapters.vocabulary import Vocabulary
 from gateway.budget import Ledger
 from gateway.settings import AliasSettings, Settings, UpstreamSettings
 from gateway.tenants import TenantDirectory
@@ -87,7 +85,7 @@ class Runtime:
     async def _upstream(self, name: str, settings: UpstreamSettings) -> Upstream:
         if settings.launch is not None:
             launch = settings.launch
-            server = UpstreamServer(resolve_model(launch.gguf), launch.port, launch.n_threads, launch.n_ctx, name)
+            server = UpstreamServer(resolve_model(launch.gguf), launch, name)
             self.servers.append(server)
             await server.wait_ready()
             settings = settings.model_copy(update={"api_base": server.api_base})
@@ -111,14 +109,8 @@ class Runtime:
 def make_upstream(name: str, settings: UpstreamSettings) -> Upstream:
     """An Upstream whose prompts are rendered (and tokens counted) with its own GGUF's vocabulary."""
     template_ref = settings.template_gguf or (settings.launch.gguf if settings.launch else None)
-    if template_ref is None:
-        return Upstream(name, settings, None, None)
-    vocab = Llama(str(resolve_model(template_ref)), vocab_only=True, verbose=False)
-
-    def count(text: str) -> int:
-        return len(vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True))
-
-    return Upstream(name, settings, ChatTemplate.from_llama(vocab), count)
+    vocab = Vocabulary(resolve_model(template_ref)) if template_ref else None
+    return Upstream(name, settings, vocab)
 
 
 def _store(settings: Settings) -> Store:

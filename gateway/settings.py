@@ -44,13 +44,18 @@ class LocalModelSettings(Strict):
 
 
 class LaunchSettings(Strict):
-    gguf: str = Field(..., description="Catalog name or GGUF path the child llama-cpp-python server loads.")
+    gguf: str = Field(..., description="Catalog name or GGUF path the child server loads.")
+    server: Literal["llama-server", "llama-cpp-python"] = Field(
+        "llama-server", description="llama-server: llama.cpp's own server (built by scripts/setup.sh; keeps its KV "
+        "cache between hand-offs and reports timings); llama-cpp-python: `python -m llama_cpp.server`.")
     port: int = Field(0, ge=0, le=65535, description="Loopback port for the child server; 0 picks a free one.")
     n_threads: int = Field(1, ge=1, description="Threads of the child server.")
-    n_ctx: int = Field(4096, ge=256, description="Context length of the child server.")
+    n_ctx: int = Field(4096, ge=256, description="Context length of the child server (per sequence).")
+    parallel: int = Field(2, ge=1, le=64, description="llama-server: sequences served at once, each keeping its own "
+                          "cached prefix (requests routed at the same time do not evict each other).")
 
 
-UpstreamMode = Literal["completions", "chat_continue", "chat_prefix", "chat_fallback"]
+UpstreamMode = Literal["tokens", "completions", "chat_continue", "chat_prefix", "chat_fallback"]
 
 
 class UpstreamSettings(Strict):
@@ -59,8 +64,9 @@ class UpstreamSettings(Strict):
     api_key_env: str | None = Field(None, description="Environment variable that holds the upstream API key.")
     mode: UpstreamMode = Field(
         "completions",
-        description="How a partial answer is continued: completions (raw /v1/completions on the upstream's "
-        "own chat template), chat_continue (vLLM/this gateway: continue_final_message), chat_prefix "
+        description="How a partial answer is continued: tokens (llama-server/vLLM: /v1/completions on token ids "
+        "of the upstream's own chat template, extended incrementally so the server re-uses its KV cache), "
+        "completions (the same prompt as text), chat_continue (vLLM/this gateway: continue_final_message), chat_prefix "
         "(DeepSeek/Mistral: assistant prefix), chat_fallback (chat-only providers: instruction + overlap strip).",
     )
     template_gguf: str | None = Field(
@@ -78,11 +84,19 @@ class UpstreamSettings(Strict):
     breaker_cooldown_s: float = Field(30.0, ge=0, description="How long an open breaker skips the upstream.")
     input_usd_per_mtok: float | None = Field(None, ge=0, description="Price per million prompt tokens (else litellm's map).")
     output_usd_per_mtok: float | None = Field(None, ge=0, description="Price per million completion tokens.")
+    cached_input_usd_per_mtok: float | None = Field(
+        None, ge=0, description="Price per million cached prompt tokens (else litellm's cache_read_input_token_cost, "
+        "else the full input price: a discount is never assumed).")
+    warm: bool = Field(
+        False, description="tokens mode: send the prompt (no answer) when a routed request starts, so the "
+        "upstream's cache holds it by the first hand-off.")
 
     @model_validator(mode="after")
     def _has_endpoint(self) -> "UpstreamSettings":
-        if self.mode == "completions" and not (self.template_gguf or self.launch):
-            raise ValueError("completions mode needs template_gguf or launch (the upstream's chat template)")
+        if self.mode in ("tokens", "completions") and not (self.template_gguf or self.launch):
+            raise ValueError(f"{self.mode} mode needs template_gguf or launch (the upstream's chat template)")
+        if self.warm and self.mode != "tokens":
+            raise ValueError("warm needs tokens mode (a server that keeps its KV cache between calls)")
         return self
 
 
@@ -93,7 +107,10 @@ class RoutingSettings(Strict):
     target_fraction: float | None = Field(None, gt=0, le=1, description="Share of answer tokens to route upstream.")
     max_upstream_tokens: int | None = Field(None, ge=0, description="Cap on upstream answer tokens per request.")
     max_upstream_share: float | None = Field(None, ge=0, le=1, description="Cap on the upstream share of the answer.")
-    span: int = Field(1, ge=1, le=64, description="Tokens the upstream writes per hand-off.")
+    span: int = Field(1, ge=1, le=64, description="Most tokens the upstream writes per hand-off.")
+    span_until: SpanRule = Field(
+        "tokens", description="Where a hand-off's text ends: tokens (all `span` tokens), or the end of the first "
+        "word, line or sentence within them.")
     max_upstream_calls: int = Field(64, ge=0, description="Cap on upstream calls per request.")
 
     @model_validator(mode="before")
@@ -113,6 +130,7 @@ class RoutingSettings(Strict):
 
 
 PolicyName = Literal["never", "always", "entropy", "top1", "margin", "target_fraction"]
+SpanRule = Literal["tokens", "word", "line", "sentence"]
 
 
 class RoutingOverride(Strict):
@@ -123,6 +141,8 @@ class RoutingOverride(Strict):
     target_fraction: float | None = Field(None, gt=0, le=1, description="Share for target_fraction.")
     max_upstream_tokens: int | None = Field(None, ge=0, description="Cap on upstream answer tokens per request.")
     max_upstream_share: float | None = Field(None, ge=0, le=1, description="Cap on the upstream share of the answer.")
+    span: int | None = Field(None, ge=1, le=64, description="Most tokens the upstream writes per hand-off.")
+    span_until: SpanRule | None = Field(None, description="Where a hand-off's text ends: tokens, word, line, sentence.")
 
 
 class AliasSettings(Strict):

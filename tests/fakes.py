@@ -91,6 +91,8 @@ class FakeUpstream:
     delay_s: float = 0.0
     available: bool = True
     worst_case_s: float = 1.0
+    warms: bool = False
+    cached_share: float = 0.0  # of each call's prompt tokens, billed as read from the cache
     calls: list[Handoff] = field(default_factory=list)
 
     def handoff(self, messages: list[dict], continue_final: bool = False) -> Handoff:
@@ -105,8 +107,8 @@ class FakeUpstream:
     def estimate_prompt_tokens(self, handoff: Handoff) -> int:
         return 10 + len(handoff.answer)
 
-    def estimate_cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        return (prompt_tokens + completion_tokens) * 1e-6
+    def estimate_cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float:
+        return (prompt_tokens - cached_tokens + completion_tokens) * 1e-6 + cached_tokens * 1e-7
 
     async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
                             seed: int | None) -> Continuation:
@@ -118,6 +120,8 @@ class FakeUpstream:
         rest = self.target[len(handoff.answer):] if self.target.startswith(handoff.answer) else ""
         text = rest[: max_tokens * self.chars_per_token]
         prompt = self.estimate_prompt_tokens(handoff)
+        cached = int(prompt * self.cached_share)
         return Continuation(text, finished=len(text) == len(rest), prompt_tokens=prompt,
-                            completion_tokens=max(1, max_tokens), cost_usd=self.estimate_cost(prompt, max_tokens),
-                            latency_s=self.delay_s)
+                            completion_tokens=max(1, max_tokens),
+                            cost_usd=self.estimate_cost(prompt, max_tokens, cached), latency_s=self.delay_s,
+                            cached_tokens=cached, compute_ms=5.0)

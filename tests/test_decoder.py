@@ -19,11 +19,12 @@ from tests.fakes import FakeLocalModel, FakeUpstream
 VOCAB = ["Par", "is", "Paris", " is", " nice", " big", *sorted(set("Paris is nice big."))]
 
 
-def make(local, upstream, policy="always", max_tokens=20, span=1, stop=(), limits=Limits(), store=None, **kw):
+def make(local, upstream, policy="always", max_tokens=20, span=1, stop=(), limits=Limits(), store=None,
+         span_until="tokens", **kw):
     store = store or MemoryStore()
     gate = HandoffGate(Ledger(store), "t", limits, allowed=True)
     request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=max_tokens,
-                            policy=build_policy(policy, **kw), span=span, stop=stop)
+                            policy=build_policy(policy, **kw), span=span, stop=stop, span_until=span_until)
     return Decoding(local, upstream, gate, request), store
 
 
@@ -237,3 +238,41 @@ async def test_sampled_requests_do_not_guess():
     decoding.request = dataclasses.replace(decoding.request, sampling=Sampling(temperature=0.7), seed=1)
     await run(decoding)
     assert decoding.usage.guess_kept_tokens == 0 and len(local.forwards) == len(decoding.answer_tokens) + 1
+
+
+async def test_cached_prompt_tokens_are_charged_at_the_cached_price():
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=3, cached_share=0.5)
+    decoding, store = make(FakeLocalModel(VOCAB, ""), upstream, span=2)
+    await run(decoding)
+    usage, day = decoding.usage, (await store.usage("t", time.time()))[0]
+    cached = [int(upstream.estimate_prompt_tokens(h) * 0.5) for h in upstream.calls]
+    assert usage.upstream_cached_tokens == sum(cached) > 0 and day.upstream_cached_tokens == sum(cached)
+    full_price = sum(upstream.estimate_cost(upstream.estimate_prompt_tokens(h), 2) for h in upstream.calls)
+    assert day.upstream_cost_usd == pytest.approx(usage.upstream_cost_usd, abs=1e-6)
+    assert usage.upstream_cost_usd < full_price - 0.5 * sum(cached) * 1e-6
+    assert usage.upstream_compute_ms == day.upstream_compute_ms == 5.0 * len(upstream.calls)
+
+
+async def test_span_until_word_writes_one_word_per_hand_off():
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=6)
+    decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, span=4, span_until="word")
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is nice."
+    assert [h.answer for h in upstream.calls] == ["", "Paris", "Paris is"]
+    invariant(decoding)
+
+
+async def test_warm_up_sends_the_prompt_before_the_first_hand_off_and_is_not_a_hand_off():
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=20, warms=True)
+    decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, span=8)
+    await run(decoding)
+    assert [h.answer for h in upstream.calls] == ["", ""]  # the warm-up, then the hand-off
+    assert decoding.usage.upstream_calls == 1
+    assert decoding.usage.upstream_prompt_tokens == 2 * upstream.estimate_prompt_tokens(upstream.calls[0])
+
+
+async def test_local_only_requests_do_not_warm_the_upstream():
+    upstream = FakeUpstream("Paris is nice.", warms=True)
+    decoding, _ = make(FakeLocalModel(VOCAB, "Paris"), upstream, policy="never")
+    await run(decoding)
+    assert upstream.calls == []

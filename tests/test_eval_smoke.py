@@ -76,10 +76,10 @@ def test_paired_table_counts_against_local_and_upstream():
 
 
 @pytest.fixture
-async def smol_models(smol_path, smol_upstream):
+async def smol_models(smol_path, smol_llama_server):
     local = await LocalModel.load(smol_path, n_ctx=2048, n_threads=1, n_batch=256, queue_limit=4)
     options = ModelOptions(str(smol_path), str(smol_path), timeout_s=30.0)
-    upstream = make_upstream("eval-upstream", upstream_settings(options, smol_upstream, str(smol_path)))
+    upstream = make_upstream("eval-upstream", upstream_settings(options, smol_llama_server, str(smol_path)))
     yield Models(local, upstream, None, smol_path)
     local.close()
 

@@ -10,12 +10,14 @@ import httpx
 import pytest
 
 from adapters.upstream_server import UpstreamServer
+from gateway.settings import LaunchSettings
 
 pytestmark = pytest.mark.integration
 
 
-async def test_a_killed_child_server_is_started_again(smol_path):
-    server = UpstreamServer(smol_path, 0, n_threads=1, n_ctx=512, alias="smol")
+@pytest.mark.parametrize("kind", ["llama-server", "llama-cpp-python"])
+async def test_a_killed_child_server_is_started_again(smol_path, kind):
+    server = UpstreamServer(smol_path, LaunchSettings(gguf=str(smol_path), server=kind, n_ctx=512), alias="smol")
     supervisor = None
     try:
         await server.wait_ready()

@@ -1,0 +1,45 @@
+"""An upstream model's vocabulary and chat template, read from its GGUF (no weights loaded).
+
+With it the gateway renders and tokenizes prompts exactly as that model would, so a hand-off can
+send token ids (tokens mode) and billed prompt tokens can be reserved exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llama_cpp import Llama
+
+from adapters.chat_template import ChatTemplate
+
+
+def tokenize_parts(llm: Llama, parts: list[tuple[str, bool]]) -> list[int]:
+    """Tokens of a prompt from `ChatTemplate.render_parts`: BOS if the model wants one, control
+    tokens parsed in the template's own text only, message content tokenized as plain text."""
+    tokens: list[int] = []
+    for index, (text, is_content) in enumerate(parts):
+        tokens += llm.tokenize(text.encode("utf-8"), add_bos=index == 0, special=not is_content)
+    return tokens
+
+
+class Vocabulary:
+    """Tokenize for one model. Read-only after loading: safe to share and to use on the event loop."""
+
+    def __init__(self, gguf: Path) -> None:
+        self._llm = Llama(str(gguf), vocab_only=True, verbose=False)
+        self.template = ChatTemplate.from_llama(self._llm)
+
+    def prompt_ids(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """Tokens of a rendered prompt (see `tokenize_parts`)."""
+        return tokenize_parts(self._llm, parts)
+
+    def text_ids(self, data: bytes) -> list[int]:
+        """Tokens of answer text: no BOS, control-token syntax kept as plain text."""
+        return self._llm.tokenize(data, add_bos=False, special=False) if data else []
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._llm.detokenize([token])
+
+    def count(self, text: str) -> int:
+        """Tokens of `text` as a text prompt (control-token strings parsed, BOS added)."""
+        return len(self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=True))
