@@ -57,12 +57,13 @@ def server_command(gguf: Path, launch: LaunchSettings, port: int, alias: str) ->
             sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", alias,
             "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(launch.n_threads),
             "--n_threads_batch", str(launch.n_threads), "--n_ctx", str(launch.n_ctx), "--verbose", "False",
+            *launch.extra_args,
         ]
     return [
         llama_server_binary(), "--model", str(gguf), "--alias", alias, "--host", "127.0.0.1", "--port", str(port),
         "--threads", str(launch.n_threads), "--threads-batch", str(launch.n_threads),
         "--parallel", str(launch.parallel), "--kv-unified", "--kv-unified-per-slot", str(launch.n_ctx),
-        "--no-webui", "--log-disable",
+        "--no-webui", "--log-disable", *launch.extra_args,
     ]
 
 

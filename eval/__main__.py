@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--paired", action="store_true",
                         help="also a table of each config against local only on the same questions")
     report.add_argument("--plot", type=Path, help="write the plot here (PNG)")
+    report.add_argument("--costs", action="store_true",
+                        help="also cost per correct answer under three price sheets (eval/costs.py)")
+    report.add_argument("--costs-plot", type=Path, help="write cost per correct answer against accuracy here (PNG)")
     report.add_argument("--title", default=None)
     report.set_defaults(command=_report)
     return parser
@@ -272,10 +275,19 @@ def _report(args: argparse.Namespace) -> int:
     print(markdown_table(rows), end="")
     if args.paired:
         print("\n" + paired_table(configs), end="")
+    n = max(r.summary["n"] for r in rows)
+    title = args.title or f"{args.dataset}: {n} questions ({args.run_name})"
     if args.plot:
-        n = max(r.summary["n"] for r in rows)
-        plot(rows, points, args.plot, args.title or f"{args.dataset}: {n} questions ({args.run_name})")
+        plot(rows, points, args.plot, title)
         print(f"plot: {args.plot}")
+    if args.costs or args.costs_plot:
+        from eval.costs import cost_plot, cost_table
+
+        records = {name: found for name, (_, found) in configs.items()}
+        print("\n" + cost_table(records), end="")
+        if args.costs_plot:
+            cost_plot(records, args.costs_plot, title)
+            print(f"plot: {args.costs_plot}")
     return 0
 
 

@@ -137,6 +137,8 @@ async def evaluate(models: Models, plan: RunPlan, spec: ConfigSpec, item: Item,
                             span=spec.span(plan.max_tokens), span_until=spec.until)
     record: dict[str, Any] = {"id": item.id, "row": item.row, "config": spec.name, "dataset": plan.dataset,
                               "gold": item.gold}
+    if spec.uses_upstream and plan.parallel == 1:  # with items in flight together, their sequences stay
+        await models.cold_upstream()
     try:
         decoding = Decoding(models.local, models.upstream if spec.uses_upstream else None, _gate(), request)
     except (ContextOverflow, TemplateError) as exc:

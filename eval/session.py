@@ -9,8 +9,11 @@ server greedy at temperature 0 (llama-cpp-python's default of 1.1 would not be).
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
@@ -28,6 +31,17 @@ class Models:
     upstream: Upstream | None
     server: UpstreamServer | None
     local_path: Path | None = None  # lets the oracle load a teacher-forcing context of the local model
+    server_slots: int = 0  # sequences of a launched llama-server (erased by cold_upstream)
+
+    async def cold_upstream(self) -> None:
+        """Erase every sequence the launched llama-server holds, so the next decode is billed and
+        timed from a cold cache: one configuration's answer never reads another's cached prompt."""
+        if self.server is None or not self.server_slots:
+            return
+        root = self.server.api_base.removesuffix("/v1")
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            for slot in range(self.server_slots):
+                (await client.post(f"{root}/slots/{slot}", params={"action": "erase"})).raise_for_status()
 
     def close(self) -> None:
         if self.server is not None:
@@ -66,13 +80,17 @@ async def open_models(options: ModelOptions, with_upstream: bool) -> Models:
         gguf = resolve_model(options.upstream, fetch=True)  # its chat template renders the prompts
         api_base = options.upstream_api_base
         if api_base is None:
+            # No prompt cache in RAM (erased sequences must stay erased); slot actions need a save path.
+            cold = ["--cache-ram", "0", "--slot-save-path", tempfile.mkdtemp(prefix="eval-slots-")]
             launch = LaunchSettings(gguf=str(gguf), server=options.upstream_server, n_threads=options.threads,
-                                    n_ctx=options.n_ctx, parallel=max(2, options.parallel))
+                                    n_ctx=options.n_ctx, parallel=max(2, options.parallel),
+                                    extra_args=cold if options.upstream_server == "llama-server" else [])
             server = UpstreamServer(gguf, launch, "eval-upstream")
             await server.wait_ready(timeout_s=300.0)
             api_base = server.api_base
         upstream = make_upstream("eval-upstream", upstream_settings(options, api_base, str(gguf)))
-        return Models(local, upstream, server, local_path)
+        slots = launch.parallel if server is not None and options.upstream_server == "llama-server" else 0
+        return Models(local, upstream, server, local_path, slots)
     except BaseException:
         if server is not None:
             server.stop()

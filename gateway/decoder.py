@@ -139,7 +139,7 @@ class Decoding:
         if self.upstream is not None and not self.gate.allowed:  # settled at admission
             self._upstream_closed = True
             self.usage.degrade(self.gate.refusal)
-        if self._may_route() and self.upstream.warms:
+        if self._may_route() and self.upstream.warms and self.request.policy.name != "always":
             self._warming = asyncio.ensure_future(self._call_upstream(self._handoff, 0))
         try:
             async with self.local.sequence(self.prompt_tokens) as sequence:

@@ -53,6 +53,7 @@ class LaunchSettings(Strict):
     n_ctx: int = Field(4096, ge=256, description="Context length of the child server (per sequence).")
     parallel: int = Field(2, ge=1, le=64, description="llama-server: sequences served at once, each keeping its own "
                           "cached prefix (requests routed at the same time do not evict each other).")
+    extra_args: list[str] = Field(default_factory=list, description="More command-line arguments for the child server.")
 
 
 UpstreamMode = Literal["tokens", "completions", "chat_continue", "chat_prefix", "chat_fallback"]
