@@ -5,7 +5,7 @@ Run: .venv/bin/python -m bench.soak [--minutes 10] [--clients 16] [--upstream-mo
 
 It starts a private redis-server (append-only with fsync always, on a free port, in a temporary
 directory, so a restart keeps the ledger) and a gateway process (`python -m gateway serve`) with
-SmolLM2 local, a llama-cpp-python upstream child the gateway launches itself, the Redis store under
+SmolLM2 local, a llama-server upstream child the gateway launches itself, the Redis store under
 a fresh key prefix, and two tenants with `rate_limits.max_parallel`: "open" (no budget) and
 "capped" (a small daily budget of upstream tokens, `on_budget_exhausted: local`). N clients send
 routed chat completions for the whole run, streaming and not, on varied short prompts with 16-48
@@ -175,7 +175,7 @@ class GatewayProcess:
         raise RuntimeError("no VmRSS for the gateway process")
 
     def upstream_pid(self) -> int | None:
-        """The pid of the gateway's live llama_cpp.server child, if it has one."""
+        """The pid of the gateway's live llama-server child, if it has one."""
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit():
                 continue
@@ -185,7 +185,7 @@ class GatewayProcess:
             except OSError:
                 continue
             parent = int(stat.rsplit(")", 1)[1].split()[1])
-            if parent == self.process.pid and b"llama_cpp.server" in cmdline:
+            if parent == self.process.pid and b"llama-server" in cmdline:
                 return int(proc.name)
         return None
 

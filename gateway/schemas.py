@@ -65,6 +65,9 @@ class ChatCompletionRequest(Wire):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # Annotations only: accepted so that clients (and other gateways' cache hints) are not refused.
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     routing: RoutingOverride | None = None
     continue_final_message: bool = False
     add_generation_prompt: bool = True

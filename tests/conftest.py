@@ -100,8 +100,10 @@ def qwen_upstream(qwen_path: Path) -> Iterator[str]:
         yield base
 
 
-def gateway_config(upstream_base: str | None, template_gguf: str = SMOL, **overrides) -> dict:
-    """A config for a test gateway: SmolLM2 local, the given upstream (completions mode)."""
+def gateway_config(upstream_base: str | None, template_gguf: str = SMOL, mode: str = "completions",
+                   **overrides) -> dict:
+    """A config for a test gateway: SmolLM2 local, the given upstream (completions mode against
+    llama-cpp-python's server, tokens mode against llama-server)."""
     config: dict = {
         "server": {"host": "127.0.0.1", "port": free_port(), "queue_limit": 8},
         "models": {"local": {"smol": {"gguf": SMOL, "n_ctx": 2048, "n_threads": 1}}},
@@ -113,7 +115,7 @@ def gateway_config(upstream_base: str | None, template_gguf: str = SMOL, **overr
     }
     if upstream_base:
         config["upstreams"]["up"] = {
-            "model": "text-completion-openai/up", "api_base": upstream_base, "mode": "completions",
+            "model": "text-completion-openai/up", "api_base": upstream_base, "mode": mode,
             "template_gguf": template_gguf, "timeout_s": 30, "retries": 0,
             "extra_body": {"repeat_penalty": 1.0},
             "input_usd_per_mtok": 0.5, "output_usd_per_mtok": 1.5,

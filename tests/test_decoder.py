@@ -264,15 +264,16 @@ async def test_span_until_word_writes_one_word_per_hand_off():
 
 async def test_warm_up_sends_the_prompt_before_the_first_hand_off_and_is_not_a_hand_off():
     upstream = FakeUpstream("Paris is nice.", chars_per_token=20, warms=True)
-    decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, span=8)
+    decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, policy="top1", threshold=1.1, span=8)  # routes all
     await run(decoding)
     assert [h.answer for h in upstream.calls] == ["", ""]  # the warm-up, then the hand-off
     assert decoding.usage.upstream_calls == 1
     assert decoding.usage.upstream_prompt_tokens == 2 * upstream.estimate_prompt_tokens(upstream.calls[0])
 
 
-async def test_local_only_requests_do_not_warm_the_upstream():
-    upstream = FakeUpstream("Paris is nice.", warms=True)
-    decoding, _ = make(FakeLocalModel(VOCAB, "Paris"), upstream, policy="never")
+@pytest.mark.parametrize("policy", ["never", "always"])
+async def test_requests_that_never_or_always_route_do_not_warm_the_upstream(policy):
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=20, warms=True)
+    decoding, _ = make(FakeLocalModel(VOCAB, "Paris"), upstream, policy=policy, span=8)
     await run(decoding)
-    assert upstream.calls == []
+    assert len(upstream.calls) == (0 if policy == "never" else 1)  # always: its first step is the hand-off

@@ -62,7 +62,6 @@ async def test_each_hand_off_evaluates_only_what_it_adds(smol_llama_server):
         assert result.prompt_tokens == len(handoff.ids) and result.compute_ms > 0
         assert result.cost_usd == pytest.approx(
             ((result.prompt_tokens - result.cached_tokens) * 1.0 + result.cached_tokens * 0.1 + 2.0) / 1e6)
-    assert evaluated[0] >= len(upstream.handoff(QUESTION).ids) - 1  # the first call reads the prompt
     for added, done in zip(sent[1:], evaluated[1:]):
         assert done <= added + 1, (sent, evaluated)  # +1: a fully cached prompt re-reads its last token
 

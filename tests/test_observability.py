@@ -74,8 +74,8 @@ def test_json_log_lines_carry_the_request_id_and_mask_keys():
 # -- a live gateway with a real upstream --
 
 @pytest.fixture(scope="module")
-def gateway(smol_upstream, tmp_path_factory):
-    config = gateway_config(smol_upstream)
+def gateway(smol_llama_server, tmp_path_factory):
+    config = gateway_config(smol_llama_server, mode="tokens")
     config["tenants"].append({"id": "tight", "api_key_env": "TEST_TIGHT_KEY", "daily": {"upstream_tokens": 0}})
     with live_gateway(config, tmp_path_factory.mktemp("obs"), env={"TEST_TIGHT_KEY": TIGHT_KEY}) as running:
         yield running
@@ -146,6 +146,10 @@ def test_metrics_count_requests_tokens_and_upstream_calls(traffic):
     assert value(m, "gateway_upstream_prompt_tokens_total", alias="routed") == sum(
         r["upstream_prompt_tokens"] for r in routed)
     assert value(m, "gateway_upstream_latency_seconds_count", alias="routed") == usages["stream"]["routing"]["upstream_calls"]
+    assert value(m, "gateway_upstream_cached_tokens_total", alias="routed") == sum(
+        r["upstream_cached_tokens"] for r in routed) > 0
+    assert value(m, "gateway_upstream_compute_seconds_total", alias="routed") == pytest.approx(
+        sum(r["upstream_compute_ms"] for r in routed) / 1000, abs=1e-3)
     assert usages["tight"]["routing"]["degraded"] == ["budget_exhausted"], usages["tight"]
     assert value(m, "gateway_degraded_requests_total", alias="routed", reason="budget_exhausted") == 1
     assert value(m, "gateway_time_to_first_token_seconds_count", alias="routed") == 3

@@ -115,8 +115,9 @@ class Browser:
 
 
 @pytest.fixture(scope="module")
-def gateway(smol_upstream, tmp_path_factory):
-    with live_gateway(gateway_config(smol_upstream), tmp_path_factory.mktemp("playground")) as running:
+def gateway(smol_llama_server, tmp_path_factory):
+    config = gateway_config(smol_llama_server, mode="tokens")
+    with live_gateway(config, tmp_path_factory.mktemp("playground")) as running:
         yield running
 
 
@@ -185,6 +186,7 @@ def check_rendering(page: Browser, seen: dict, source: str | None = None) -> dic
     assert stats["stat-tokens"] == str(usage["completion_tokens"])
     assert stats["stat-calls"] == str(routing["upstream_calls"])
     assert stats["stat-billed"] == f"{routing['upstream_prompt_tokens'] + routing['upstream_completion_tokens']:,}"
+    assert stats["stat-cached"] == f"{routing['upstream_cached_tokens']:,}"
     assert "day" in seen["usageRows"] and "month" in seen["usageRows"]
     return usage
 

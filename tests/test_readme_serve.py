@@ -30,7 +30,7 @@ def upstream_server_pids() -> set[int]:
                 cmdline = (proc / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"llama_cpp.server" in cmdline and b"qwen-0.5b" in cmdline:
+            if cmdline[0].endswith(b"llama-server") and b"qwen-0.5b" in cmdline:
                 pids.add(int(proc.name))
     return pids
 
