@@ -270,20 +270,32 @@ class Decoding:
             cached = await self.gate.cache_get(key)
             if cached is not None:
                 return cached[1:], cached[0] == "1", CACHE
-        if self._warming is not None:  # the warm-up's sequence is the one this hand-off extends
-            await asyncio.gather(self._warming, return_exceptions=True)
-            self._warming = None
-        continuation = await self._call_upstream(handoff, span)
+        continuation = await self._warmed(handoff, span) or await self._call_upstream(handoff, span)
         if continuation is None:
             return None
         if deterministic:
             await self.gate.cache_put(key, ("1" if continuation.finished else "0") + continuation.text)
         return continuation.text, continuation.finished, UPSTREAM
 
+    async def _warmed(self, handoff: Handoff, span: int) -> Continuation | None:
+        """Wait for the warm-up (this hand-off extends its sequence). The token it wrote is this
+        hand-off's answer when the hand-off is at the first answer token with span 1: then it
+        counts as the hand-off and no second call is made."""
+        if self._warming is None:
+            return None
+        warming, self._warming = self._warming, None
+        await asyncio.gather(warming, return_exceptions=True)
+        if warming.cancelled() or warming.exception() is not None or warming.result() is None:
+            return None
+        if span != 1 or handoff.answer or handoff.answer_ids:
+            return None
+        self.usage.upstream_calls += 1
+        return warming.result()
+
     async def _call_upstream(self, handoff: Handoff, span: int) -> Continuation | None:
         """Reserve, call, settle. `span` 0 is a warm-up: the upstream reads the prompt into its cache
-        (and writes one token, since servers always sample one, which is ignored); it is billed but
-        not counted as a hand-off."""
+        (and writes one token, since servers always sample one); it is billed, and counted as a
+        hand-off only if `_warmed` uses that token."""
         warm, span = span == 0, max(1, span)
         estimate = self.upstream.estimate_prompt_tokens(handoff) + span
         reservation = await self.gate.reserve(estimate, self.upstream.estimate_cost(estimate - span, span),

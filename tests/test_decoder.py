@@ -262,6 +262,16 @@ async def test_span_until_word_writes_one_word_per_hand_off():
     invariant(decoding)
 
 
+async def test_a_warm_up_whose_token_is_the_first_hand_off_is_not_called_twice():
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=5, warms=True)
+    local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({0}))
+    decoding, _ = make(local, upstream, policy="entropy", threshold=1.0)
+    text = "".join(p.text for p in await run(decoding))
+    assert [h.answer for h in upstream.calls] == [""]  # the warm-up only
+    assert text.startswith("Paris") and decoding.sources[0] == "upstream"
+    assert decoding.usage.upstream_calls == 1
+
+
 async def test_warm_up_sends_the_prompt_before_the_first_hand_off_and_is_not_a_hand_off():
     upstream = FakeUpstream("Paris is nice.", chars_per_token=20, warms=True)
     decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, policy="top1", threshold=1.1, span=8)  # routes all
