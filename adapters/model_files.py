@@ -82,6 +82,12 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def model_sha256(ref: str) -> str:
+    """SHA-256 of a model: pinned for a catalog name (its file is verified against it), else hashed."""
+    entry = CATALOG.get(ref)
+    return entry.sha256 if entry else sha256_of(resolve_model(ref))
+
+
 def resolve_model(ref: str, cache_dir: Path | None = None, fetch: bool = False) -> Path:
     """Return a loadable GGUF path for `ref`: a catalog name or a path to any GGUF file.
 

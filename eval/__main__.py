@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--upstream-server", default="llama-server", choices=["llama-server", "llama-cpp-python"],
                      help="the launched upstream: llama-server in tokens mode (default; hand-offs extend one cached "
                           "sequence) or llama-cpp-python's server in completions mode (text prompts)")
+    run.add_argument("--router", help="learned router file for learned@S configs (python -m eval calibrate --learn)")
     run.add_argument("--warm", action="store_true", help="tokens mode: send each prompt to the upstream as an item starts")
     run.add_argument("--max-tokens", type=int, help=f"answer length limit (default {MAX_TOKENS})")
     run.add_argument("--block", type=int, default=25, help="summary.json is rewritten every this many items")
@@ -74,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--policies", nargs="+", default=["entropy", "top1", "margin"])
     calibrate.add_argument("--share", nargs="*", type=float, default=[], help="target upstream shares")
     calibrate.add_argument("--accuracy", nargs="*", type=float, default=[], help="target token accuracies")
+    calibrate.add_argument("--local", default=LOCAL, help=f"the analysed local model, for --learn (default {LOCAL})")
+    calibrate.add_argument("--learn", type=Path, metavar="ROUTER_JSON",
+                           help="also train a learned router on the fit rows and write it here; prints it against "
+                                "the threshold rules at equal share on the held-out rows")
     calibrate.add_argument("--out", type=Path, help="snippet path (default <run>/calibrated_<dataset>.yaml)")
     calibrate.set_defaults(command=_calibrate)
 
@@ -142,7 +147,8 @@ async def _run_async(args: argparse.Namespace, plan: Any, total: int) -> dict[st
     _quiet_unclosed_sessions()
     options = ModelOptions(args.local, args.upstream, args.n_ctx, args.threads, args.input_usd_per_mtok,
                            args.output_usd_per_mtok, upstream_api_base=args.upstream_api_base,
-                           parallel=args.parallel, upstream_server=args.upstream_server, warm=args.warm)
+                           parallel=args.parallel, upstream_server=args.upstream_server, warm=args.warm,
+                           router=args.router)
     models = await open_models(options, with_upstream=any(s.uses_upstream for s in plan.configs))
     try:
         with tqdm(total=total, unit="item", mininterval=2.0, dynamic_ncols=True) as bar:
@@ -178,7 +184,7 @@ def _meta(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dataset": args.dataset, "rows": args.rows,
         "data": str(args.data or "default"), "configs": [s.name for s in plan.configs],
         "local": model(args.local), "upstream": model(args.upstream), "threads": args.threads,
-        "upstream_server": args.upstream_server, "warm": args.warm,
+        "upstream_server": args.upstream_server, "warm": args.warm, "router": args.router,
         "n_ctx": args.n_ctx, "max_tokens": plan.max_tokens, "greedy": True,
         "prices_usd_per_mtok": {"input": args.input_usd_per_mtok, "output": args.output_usd_per_mtok},
         "instructions": {"csqa": datasets.CSQA_INSTRUCTION, "gsm8k": datasets.GSM8K_INSTRUCTION},
@@ -258,7 +264,32 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"| {c.fit['token_accuracy']:.3f} | {held.get('upstream_share', float('nan')):.3f} "
               f"| {held.get('token_accuracy', float('nan')):.3f} |")
     print(f"snippet: {out}")
+    if args.learn:
+        _learn(args, fit, held_out)
     return 0
+
+
+def _learn(args: argparse.Namespace, fit: list[dict[str, Any]], held_out: list[dict[str, Any]]) -> None:
+    from adapters.model_files import model_sha256
+    from eval.learn import compare, comparison_table, ranking_quality, train
+
+    if not args.share:
+        raise ValueError("--learn needs --share targets (the router's thresholds are fitted for them)")
+    if "top" not in fit[0]:
+        raise ValueError("the analysis has no top-k probabilities or token kinds: rerun `python -m eval analyze` "
+                         "into a fresh run directory")
+    meta = {"command": f"python -m eval {shlex.join(sys.argv[1:])}", "labels": "mismatch",
+            "local_model": args.local, "dataset": args.dataset, "fit_rows": args.fit_rows,
+            "fit_answers": len(fit)}
+    router = train(fit, args.share, model_sha256(args.local), meta)
+    args.learn.parent.mkdir(parents=True, exist_ok=True)
+    args.learn.write_text(json.dumps(router.to_json(), indent=1) + "\n")
+    print(f"\nrouter: {args.learn} (weights on standardised features: "
+          + ", ".join(f"{name} {w:+.2f}" for name, w in zip(router.to_json()["features"], router.weights)) + ")")
+    if held_out:
+        print(f"\nheld-out rows {args.eval_rows}, AUROC: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in ranking_quality(router, held_out).items()))
+        print(comparison_table(compare(router, held_out, args.share)), end="")
 
 
 # -- report --

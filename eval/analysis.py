@@ -21,7 +21,7 @@ from llama_cpp import Llama
 from adapters.chat_template import ChatTemplate
 from adapters.vocabulary import tokenize_parts
 from eval.datasets import Item
-from gateway.signals import signal_of
+from gateway.signals import signal_of, token_kind
 
 POSITION_BUCKETS = ((0, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 128), (128, 256), (256, 100_000))
 # Each signal oriented so that larger means "more likely a mismatch".
@@ -54,23 +54,30 @@ class TeacherForcer:
         self.llm.reset()
         self.llm.eval(tokens)
         rows = self.llm.scores[len(prompt) - 1: len(tokens)]
-        mismatch, entropy, top1, margin = [], [], [], []
+        mismatch, entropy, top1, margin, top, kind = [], [], [], [], [], []
         for position, (logits, token) in enumerate(zip(rows, reference)):
-            signal = signal_of(logits, position)
+            signal = signal_of(logits, position, lambda t: token_kind(self.llm.detokenize([t])))
             mismatch.append(int(int(np.argmax(logits)) != token))
             entropy.append(round(signal.entropy, 4))
             top1.append(round(signal.top1, 4))
             margin.append(round(signal.margin, 4))
+            top.append([round(p, 4) for p in signal.top])
+            kind.append(signal.kind)
         return {"id": item.id, "row": item.row, "n": len(reference), "next": int(np.argmax(rows[-1])),
-                "mismatch": "".join(map(str, mismatch)), "entropy": entropy, "top1": top1, "margin": margin}
+                "mismatch": "".join(map(str, mismatch)), "entropy": entropy, "top1": top1, "margin": margin,
+                "top": top, "kind": kind}
 
 
 def steps(records: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Every answer position of every record, as {position, mismatch, entropy, top1, margin}."""
+    """Every answer position of every record, as {position, mismatch, entropy, top1, margin} plus
+    the top-4 probabilities and the local token's kind where the analysis recorded them."""
     for record in records:
         for i in range(record["n"]):
-            yield {"position": i, "mismatch": record["mismatch"][i] == "1", "entropy": record["entropy"][i],
-                   "top1": record["top1"][i], "margin": record["margin"][i]}
+            step = {"position": i, "mismatch": record["mismatch"][i] == "1", "entropy": record["entropy"][i],
+                    "top1": record["top1"][i], "margin": record["margin"][i]}
+            if "top" in record:
+                step.update(top=tuple(record["top"][i]), kind=record["kind"][i])
+            yield step
 
 
 def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:

@@ -7,6 +7,8 @@
                           upstream's (see eval/oracle.py)
     entropy@T, top1@T, margin@T, target_fraction@F
                           token-level routing with the gateway's own policies, span 1, no caps
+    learned@S             the learned router (--router) at its threshold fitted for share S
+    first@K               route the first K answer tokens only
     ...,span=N,until=R    the same with up to N upstream tokens per hand-off, cut at the first
                           word / line / sentence boundary when R is given (gateway/spans.py)
 """
@@ -19,9 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from policies import THRESHOLD_POLICIES, Policy, build_policy
+from policies import THRESHOLD_POLICIES, Policy, Router, build_policy
 
-ROUTED = (*THRESHOLD_POLICIES, "target_fraction")
+ROUTED = (*THRESHOLD_POLICIES, "target_fraction", "learned", "first")
 SPAN_RULES = ("tokens", "word", "line", "sentence")
 
 
@@ -50,12 +52,16 @@ class ConfigSpec:
     def span(self, max_tokens: int) -> int:
         return max_tokens if self.policy == "always" else self.span_tokens
 
-    def policy_object(self) -> Policy:
+    def policy_object(self, router: Router | None = None) -> Policy:
         """A fresh policy for one item (the oracle is built per item by the runner instead)."""
         if self.policy == "oracle":
             raise ValueError("the oracle needs the item's reference; see eval.oracle")
         if self.policy == "target_fraction":
             return build_policy("target_fraction", target_fraction=self.value, history=self.history)
+        if self.policy == "learned":
+            if router is None:
+                raise ValueError(f"config {self.name} needs a router: pass --router")
+            return build_policy("learned", target_fraction=self.value, router=router)
         return build_policy(self.policy, threshold=self.value)
 
 
@@ -70,8 +76,8 @@ def parse_config(text: str) -> ConfigSpec:
     if not sep or policy not in ROUTED:
         raise ValueError(f"bad config {text!r}: use local, upstream, oracle or <{'|'.join(ROUTED)}>@<value>")
     number = float(value)
-    if policy == "target_fraction" and not 0 < number <= 1:
-        raise ValueError(f"bad config {text!r}: a target fraction is in (0, 1]")
+    if policy in ("target_fraction", "learned") and not 0 < number <= 1:
+        raise ValueError(f"bad config {text!r}: a target share is in (0, 1]")
     spans = dict(option.partition("=")[::2] for option in options)
     if set(spans) - {"span", "until"} or spans.get("until", "tokens") not in SPAN_RULES:
         raise ValueError(f"bad config {text!r}: options are span=<tokens> and until=<{'|'.join(SPAN_RULES)}>")

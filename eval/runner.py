@@ -132,7 +132,7 @@ async def evaluate(models: Models, plan: RunPlan, spec: ConfigSpec, item: Item,
         oracle = await _oracle(models, item, reference, forcer, plan.max_tokens)
         policy: Policy = oracle
     else:
-        policy = spec.policy_object()
+        policy = spec.policy_object(models.router)
     request = DecodeRequest(messages=item.messages, max_tokens=plan.max_tokens, policy=policy,
                             span=spec.span(plan.max_tokens), span_until=spec.until)
     record: dict[str, Any] = {"id": item.id, "row": item.row, "config": spec.name, "dataset": plan.dataset,

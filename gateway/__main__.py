@@ -11,8 +11,9 @@ from adapters.model_files import CATALOG, ModelFileError, resolve_model
 from adapters.upstream_server import UpstreamServerError
 from gateway.observability import configure_logging
 from gateway.settings import SettingsError, load_settings
+from policies.learned import RouterError
 
-STARTUP_ERRORS = (SettingsError, ModelFileError, LocalModelError, UpstreamServerError)
+STARTUP_ERRORS = (SettingsError, ModelFileError, LocalModelError, UpstreamServerError, RouterError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from adapters.chat_template import TemplateError
 from adapters.local_model import QueueFull
 from adapters.store import StoreUnavailable
@@ -64,11 +66,18 @@ def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None) 
             merged.update(threshold=None, target_fraction=None)
         merged.update(changes)
     policy = merged["policy"]
-    if policy in THRESHOLD_POLICIES and merged["threshold"] is None:
+    if policy in (*THRESHOLD_POLICIES, "first") and merged["threshold"] is None:
         raise InvalidRequest(f"routing policy '{policy}' needs a threshold", param="routing.threshold")
     if policy == "target_fraction" and merged["target_fraction"] is None:
         raise InvalidRequest("routing policy 'target_fraction' needs target_fraction", param="routing.target_fraction")
-    return RoutingSettings(**merged)
+    if policy == "learned" and merged["router"] is None:
+        raise InvalidRequest("routing policy 'learned' needs a router, and this model has none", param="routing.policy")
+    if policy == "learned" and merged["threshold"] is None and merged["target_fraction"] is None:
+        raise InvalidRequest("routing policy 'learned' needs a threshold or target_fraction", param="routing.threshold")
+    try:
+        return RoutingSettings(**merged)
+    except ValidationError as exc:
+        raise InvalidRequest(exc.errors()[0]["msg"].removeprefix("Value error, "), param="routing.threshold") from exc
 
 
 def wire_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -111,7 +120,8 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, rout
               max_tokens: int, choice: int) -> Decoding:
     """The decoding of one choice; choices differ by seed (seed + choice) when they sample."""
     policy = build_policy(routing.policy, routing.threshold, routing.target_fraction, routing.max_upstream_tokens,
-                          routing.max_upstream_share, routing.max_upstream_calls, history=alias.entropy_history)
+                          routing.max_upstream_share, routing.max_upstream_calls, history=alias.entropy_history,
+                          router=alias.router)
     request = DecodeRequest(
         messages=wire_messages(body), max_tokens=max_tokens, policy=policy,
         sampling=Sampling(body.temperature, body.top_p), seed=None if body.seed is None else body.seed + choice,

@@ -27,7 +27,7 @@ from adapters.local_model import LocalModel
 from adapters.store import Billed
 from adapters.upstream import Continuation, Handoff, Upstream, UpstreamRejected, UpstreamUnavailable
 from gateway.budget import HandoffGate
-from gateway.signals import Sampling, log_softmax, sample, signal_of
+from gateway.signals import Sampling, log_softmax, sample, signal_of, token_kind
 from gateway.spans import cut_span
 from gateway.text_stream import TextReleaser
 from policies import Policy, Route, RoutingState, Signal
@@ -145,7 +145,7 @@ class Decoding:
             async with self.local.sequence(self.prompt_tokens) as sequence:
                 while self.finish_reason is None:
                     logits = await sequence.forward(self.prompt_tokens + self.answer_tokens)
-                    signal = signal_of(logits, len(self.answer_tokens))
+                    signal = self._signal(logits, len(self.answer_tokens))
                     if self._decide(signal) is Route.UPSTREAM:
                         for piece in await self._upstream_step(sequence, logits, signal):
                             yield piece
@@ -158,6 +158,9 @@ class Decoding:
         tail = self.text.finish()
         if tail:
             yield Piece(tail, (), self.sources[-1] if self.sources else LOCAL, None)
+
+    def _signal(self, logits: np.ndarray, position: int) -> Signal:
+        return signal_of(logits, position, lambda token: token_kind(self.local.token_bytes(token)))
 
     def _may_route(self) -> bool:
         return not self._upstream_closed and self.request.policy.name != "never" and self.upstream.available
@@ -235,7 +238,7 @@ class Decoding:
             if self.local.is_end_of_generation(guesses[-1].token) or len(self.answer_tokens) + len(guesses) >= self.limit:
                 break
             ahead = await sequence.forward(self.prompt_tokens + self.answer_tokens + [g.token for g in guesses])
-            guesses.append(Guess(int(np.argmax(ahead)), ahead, signal_of(ahead, len(self.answer_tokens) + len(guesses))))
+            guesses.append(Guess(int(np.argmax(ahead)), ahead, self._signal(ahead, len(self.answer_tokens) + len(guesses))))
         sequence.pause()  # until the hand-off returns: the engine must not wait for this request
         return guesses
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from adapters.local_model import LocalModel, system_info
-from adapters.model_files import resolve_model
+from adapters.model_files import model_sha256, resolve_model
 from adapters.redis_store import RedisStore
 from adapters.store import MemoryStore, Store
 from adapters.upstream import Upstream
@@ -19,6 +19,7 @@ from adapters.vocabulary import Vocabulary
 from gateway.budget import Ledger
 from gateway.settings import AliasSettings, Settings, UpstreamSettings
 from gateway.tenants import TenantDirectory
+from policies import Router
 
 log = logging.getLogger("gateway.runtime")
 
@@ -31,6 +32,7 @@ class Alias:
     local: LocalModel
     upstream: Upstream | None
     settings: AliasSettings
+    router: Router | None = None  # the learned policy's router, trained for this alias's local model
     # target_fraction's window of recent entropies, shared by the alias's requests whatever their
     # target (the entropies do not depend on it), so a request's override adds no state
     entropy_history: deque[float] = field(default_factory=deque)
@@ -51,8 +53,8 @@ class Runtime:
     async def start(cls, settings: Settings, environ: Mapping[str, str] | None = None) -> "Runtime":
         """Load models, start loopback upstream servers, connect the store.
 
-        Raises ModelFileError, LocalModelError, UpstreamServerError or SettingsError (one-line
-        messages); a Redis that does not answer is not an error: the gateway starts local-only.
+        Raises ModelFileError, LocalModelError, UpstreamServerError, RouterError or SettingsError
+        (one-line messages); a Redis that does not answer is not an error: the gateway starts local-only.
         """
         environ = os.environ if environ is None else environ
         tenants = TenantDirectory(settings.tenants, environ, settings.admin_key_env)
@@ -77,7 +79,11 @@ class Runtime:
         upstreams = {name: await self._upstream(name, up) for name, up in settings.upstreams.items()}
         for name, alias in settings.aliases.items():
             upstream = upstreams[alias.upstream] if alias.upstream else None
-            self.aliases[name] = Alias(name, self.local_models[alias.local], upstream, alias)
+            router = None
+            if alias.routing.router is not None:
+                local_ref = settings.models.local[alias.local].gguf
+                router = Router.load(alias.routing.router, model_sha256(local_ref))
+            self.aliases[name] = Alias(name, self.local_models[alias.local], upstream, alias, router)
         if not await self.ledger.store.ping():
             host = settings.store.url.rsplit("@", 1)[-1]  # never log a password
             log.warning("store at %s does not answer: serving local-only until it does", host)

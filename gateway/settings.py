@@ -104,8 +104,14 @@ class UpstreamSettings(Strict):
 class RoutingSettings(Strict):
     policy: PolicyName = Field("entropy", description="Routing policy (see README, 'Routing').")
     threshold: float | None = Field(
-        None, description="entropy: nats (default 2.0); top1: probability; margin: p1-p2 (no default).")
-    target_fraction: float | None = Field(None, gt=0, le=1, description="Share of answer tokens to route upstream.")
+        None, description="entropy: nats (default 2.0); top1: probability; margin: p1-p2; learned: router score; "
+        "first: how many answer tokens (no default).")
+    target_fraction: float | None = Field(
+        None, gt=0, le=1, description="Share of answer tokens to route upstream (target_fraction; learned: the "
+        "router's threshold fitted for that share).")
+    router: str | None = Field(
+        None, description="Router file of the learned policy (python -m eval calibrate --learn), trained for this "
+        "alias's local model; requests and tenants may choose policy learned only where the alias has one.")
     max_upstream_tokens: int | None = Field(None, ge=0, description="Cap on upstream answer tokens per request.")
     max_upstream_share: float | None = Field(None, ge=0, le=1, description="Cap on the upstream share of the answer.")
     span: int = Field(1, ge=1, le=64, description="Most tokens the upstream writes per hand-off.")
@@ -123,14 +129,18 @@ class RoutingSettings(Strict):
 
     @model_validator(mode="after")
     def _threshold_given(self) -> "RoutingSettings":
-        if self.policy in ("entropy", "top1", "margin") and self.threshold is None:
+        if self.policy in ("entropy", "top1", "margin", "first") and self.threshold is None:
             raise ValueError(f"policy '{self.policy}' needs a threshold")
         if self.policy == "target_fraction" and self.target_fraction is None:
             raise ValueError("policy 'target_fraction' needs target_fraction")
+        if self.policy == "learned" and (self.router is None or (self.threshold is None and self.target_fraction is None)):
+            raise ValueError("policy 'learned' needs a router and a threshold or target_fraction")
+        if self.policy == "first" and (self.threshold < 1 or self.threshold != int(self.threshold)):
+            raise ValueError("policy 'first' needs a whole number of tokens >= 1 as its threshold")
         return self
 
 
-PolicyName = Literal["never", "always", "entropy", "top1", "margin", "target_fraction"]
+PolicyName = Literal["never", "always", "entropy", "top1", "margin", "target_fraction", "learned", "first"]
 SpanRule = Literal["tokens", "word", "line", "sentence"]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,20 +22,42 @@ class Sampling:
         return self.temperature <= 0.0
 
 
-def signal_of(logits: np.ndarray, position: int) -> Signal:
-    """Entropy (nats), top-1 probability and top-1/top-2 margin of softmax(logits).
+TOP_K = 4  # probabilities kept in Signal.top (learned routers read them)
 
-    One exp over the vocabulary and two max passes: with x = logits - max, e = exp(x) and
+
+def signal_of(logits: np.ndarray, position: int, kind_of: Callable[[int], str] | None = None) -> Signal:
+    """Entropy (nats), top-1 probability, top-1/top-2 margin and the top-4 probabilities of
+    softmax(logits), and the kind of the most likely token when `kind_of` is given.
+
+    One exp over the vocabulary and a few max passes: with x = logits - max, e = exp(x) and
     Z = sum(e), p1 = 1/Z, H = log Z - sum(e * x) / Z.
     """
-    top = int(np.argmax(logits))
-    shifted = logits - logits[top]
+    best = int(np.argmax(logits))
+    shifted = logits - logits[best]
     weights = np.exp(shifted)
     total = float(weights.sum())
     entropy = float(np.log(total) - np.dot(weights, shifted) / total)
-    weights[top] = 0.0
-    second = float(weights.max())
-    return Signal(entropy=max(entropy, 0.0), top1=1.0 / total, margin=(1.0 - second) / total, position=position)
+    top = [1.0]
+    for _ in range(TOP_K - 1):
+        weights[int(np.argmax(weights))] = 0.0
+        top.append(float(weights.max()))
+    return Signal(entropy=max(entropy, 0.0), top1=1.0 / total, margin=(1.0 - top[1]) / total, position=position,
+                  top=tuple(p / total for p in top), kind=kind_of(best) if kind_of else "")
+
+
+def token_kind(piece: bytes) -> str:
+    """newline, digit, punct, word (starts a word) or piece (continues one), from a token's bytes."""
+    if b"\n" in piece:
+        return "newline"
+    text = piece.decode("utf-8", "replace")
+    stripped = text.lstrip()
+    if not stripped or stripped[0] == "\ufffd":  # blank, or part of a multi-byte character
+        return "piece"
+    if stripped[0].isdigit():
+        return "digit"
+    if not stripped[0].isalnum():
+        return "punct"
+    return "word" if text[0].isspace() else "piece"
 
 
 def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:

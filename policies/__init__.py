@@ -6,6 +6,7 @@ from collections import deque
 
 from policies.base import Policy, Route, RoutingState, Signal
 from policies.caps import Capped
+from policies.learned import FirstTokens, LearnedAbove, Router
 from policies.target_fraction import TargetFraction
 from policies.thresholds import Always, EntropyAbove, MarginBelow, Never, Top1Below
 
@@ -20,11 +21,14 @@ def build_policy(
     max_upstream_share: float | None = None,
     max_upstream_calls: int | None = None,
     history: deque[float] | None = None,
+    router: Router | None = None,
 ) -> Policy:
     """A fresh policy for one request, wrapped in its caps.
 
     `history` is target_fraction's window of recent entropies; pass the same deque to every
-    request of an alias so its threshold is calibrated on more than one short answer.
+    request of an alias so its threshold is calibrated on more than one short answer. `learned`
+    needs `router` and a score `threshold`, or a `target_fraction` that the router's fitted
+    share thresholds turn into one; `first` routes the first `threshold` answer tokens.
     """
     inner: Policy
     if name == "never":
@@ -33,6 +37,12 @@ def build_policy(
         inner = Always()
     elif name in THRESHOLD_POLICIES:
         inner = THRESHOLD_POLICIES[name](threshold)
+    elif name == "learned":
+        if router is None:
+            raise ValueError("policy 'learned' needs a router")
+        inner = LearnedAbove(router, threshold if threshold is not None else router.threshold_for_share(target_fraction))
+    elif name == "first":
+        inner = FirstTokens(int(threshold))
     elif name == "target_fraction":
         inner = TargetFraction(target_fraction, history=deque() if history is None else history)
     else:
@@ -40,4 +50,4 @@ def build_policy(
     return Capped(inner, max_upstream_tokens, max_upstream_share, max_upstream_calls)
 
 
-__all__ = ["Policy", "Route", "RoutingState", "Signal", "build_policy", "THRESHOLD_POLICIES"]
+__all__ = ["Policy", "Route", "Router", "RoutingState", "Signal", "build_policy", "THRESHOLD_POLICIES"]

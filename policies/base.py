@@ -20,6 +20,8 @@ class Signal:
     top1: float  # probability of the most likely token
     margin: float  # top-1 minus top-2 probability
     position: int  # index of this token in the answer
+    top: tuple[float, ...] = ()  # the four largest probabilities, largest first
+    kind: str = ""  # what the local model's most likely token is: word, piece, digit, punct, newline
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,123 @@
+"""Train a learned router on an FS-GEN analysis and compare it with the fixed rules at equal share.
+
+Each answer position of the upstream's answers (teacher-forced through the local model, see
+eval/analysis.py) is one example: the features the decoder has at that step (policies/learned.py)
+and the label "the local greedy token is not the upstream's" (mismatch). The model is an
+L2-regularised logistic regression fitted by Newton's method in numpy: a dozen features need no
+more, and the gateway serves it with one dot product. Score thresholds are fitted for target
+shares of the fit rows' tokens.
+
+`compare` measures, on held-out rows, each method at the same share of tokens routed: mismatch
+recall, token accuracy (positions that agree with the upstream after routing) and answers
+reproduced (answers whose every mismatch is routed: teacher-forced, they are the upstream's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from eval.analysis import auroc, steps
+from policies.base import Signal
+from policies.learned import FEATURES, Router, features
+
+RULES = {"entropy": lambda s: s["entropy"], "top1": lambda s: -s["top1"], "margin": lambda s: -s["margin"]}
+
+
+def step_signal(step: dict[str, Any]) -> Signal:
+    return Signal(step["entropy"], step["top1"], step["margin"], step["position"], step.get("top", ()),
+                  step.get("kind", ""))
+
+
+def matrix(records: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Features, mismatch labels and the answer index of every position of `records`."""
+    rows, labels, answers = [], [], []
+    for index, record in enumerate(records):
+        for step in steps([record]):
+            rows.append(features(step_signal(step)))
+            labels.append(step["mismatch"])
+            answers.append(index)
+    return np.array(rows).reshape(-1, len(FEATURES)), np.array(labels, dtype=float), np.array(answers)
+
+
+def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1.0, iterations: int = 30
+                 ) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
+    """(weights, bias, mean, scale) of an L2-regularised logistic regression on standardised x."""
+    mean = x.mean(axis=0)
+    scale = x.std(axis=0)
+    scale[scale == 0] = 1.0
+    z = np.hstack([(x - mean) / scale, np.ones((len(x), 1))])
+    w = np.zeros(z.shape[1])
+    penalty = np.full(z.shape[1], l2)
+    penalty[-1] = 0.0  # the bias is not shrunk
+    for _ in range(iterations):
+        p = 1.0 / (1.0 + np.exp(-np.clip(z @ w, -30, 30)))
+        gradient = z.T @ (p - y) + penalty * w
+        hessian = (z * (p * (1 - p))[:, None]).T @ z + np.diag(penalty)
+        step = np.linalg.solve(hessian, gradient)
+        w -= step
+        if np.abs(step).max() < 1e-8:
+            break
+    return w[:-1], float(w[-1]), mean, scale
+
+
+def train(records: Sequence[dict[str, Any]], shares: Sequence[float], model_sha256: str,
+          meta: dict[str, Any]) -> Router:
+    """A router fitted on `records`, with score thresholds for each share of their tokens."""
+    x, y, _ = matrix(records)
+    weights, bias, mean, scale = fit_logistic(x, y)
+    router = Router(weights, bias, mean, scale, {}, model_sha256, meta)
+    scores = np.array([router.score(row) for row in x])
+    thresholds = {float(share): float(np.quantile(scores, 1.0 - share)) for share in shares}
+    return Router(weights, bias, mean, scale, thresholds, model_sha256, meta)
+
+
+def _metrics(routed: np.ndarray, labels: np.ndarray, answers: np.ndarray) -> dict[str, float]:
+    mismatch = labels.astype(bool)
+    missed = mismatch & ~routed
+    reproduced = np.ones(answers.max() + 1, dtype=bool)
+    reproduced[answers[missed]] = False
+    return {"share": float(routed.mean()), "mismatch_recall": float((mismatch & routed).sum() / max(1, mismatch.sum())),
+            "token_accuracy": float(1.0 - missed.mean()), "answers_reproduced": float(reproduced.mean())}
+
+
+def compare(router: Router, records: Sequence[dict[str, Any]], shares: Sequence[float]) -> list[dict[str, Any]]:
+    """On `records`: the router at each share's fitted threshold, each rule at the share the router
+    actually reached there, and routing the first 1 and 2 tokens."""
+    x, labels, answers = matrix(records)
+    all_steps = list(steps(records))
+    positions = np.array([s["position"] for s in all_steps])
+    learned = np.array([router.score(row) for row in x])
+    found = []
+    for share in shares:
+        routed = learned > router.shares[float(share)]
+        reached = routed.mean()
+        found.append({"method": "learned", "target_share": share, **_metrics(routed, labels, answers)})
+        for name, score in RULES.items():
+            values = np.array([score(s) for s in all_steps])
+            cut = np.quantile(values, 1.0 - reached)
+            found.append({"method": name, "target_share": share, **_metrics(values > cut, labels, answers)})
+    for k in (1, 2):
+        found.append({"method": f"first {k}", "target_share": None, **_metrics(positions < k, labels, answers)})
+    return found
+
+
+def ranking_quality(router: Router, records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """AUROC of each score for spotting a mismatch on `records`."""
+    x, labels, _ = matrix(records)
+    all_steps = list(steps(records))
+    found = {"learned": auroc([router.score(row) for row in x], labels.astype(bool))}
+    found.update({name: auroc([score(s) for s in all_steps], labels.astype(bool)) for name, score in RULES.items()})
+    return found
+
+
+def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["| method | target share | share routed | mismatch recall | token accuracy | answers reproduced |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        target = "-" if r["target_share"] is None else f"{r['target_share']:g}"
+        lines.append(f"| {r['method']} | {target} | {r['share']:.1%} | {r['mismatch_recall']:.1%} "
+                     f"| {r['token_accuracy']:.1%} | {r['answers_reproduced']:.1%} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,112 @@
+"""A learned router: a logistic model over what the decoder knows at a step, served in numpy.
+
+`features` turns a step's Signal into the vector the router was trained on (FEATURES names each
+entry). A router file (JSON, written by `python -m eval calibrate --learn`) holds the feature
+names, their standardisation, the weights, the score thresholds that route given shares of the
+fit rows' tokens, and the SHA-256 of the local model it was trained for: its signals mean nothing
+for another model, so `Router.load` refuses a file trained for a different one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from policies.base import Route, RoutingState, Signal
+
+FORMAT = "routing-gateway/learned-router@1"
+KINDS = ("word", "digit", "punct", "newline")  # one-hot; "piece" (inside a word) is the baseline
+FEATURES = ("entropy", "top1", "margin", "p3", "p4", "tail", "log_position", "first", *(f"kind_{k}" for k in KINDS))
+
+
+class RouterError(ValueError):
+    """The router file cannot be used (unreadable, wrong format, another model's); one line."""
+
+
+def features(signal: Signal) -> np.ndarray:
+    """The FEATURES of one step, in order."""
+    top = (*signal.top, 0.0, 0.0, 0.0, 0.0)[:4] if signal.top else (signal.top1, signal.top1 - signal.margin, 0.0, 0.0)
+    return np.array([
+        signal.entropy, signal.top1, signal.margin, top[2], top[3], max(0.0, 1.0 - sum(top)),
+        math.log1p(signal.position), float(signal.position == 0), *(float(signal.kind == k) for k in KINDS),
+    ])
+
+
+@dataclass(frozen=True)
+class Router:
+    """A standardised logistic model: score = sigmoid(w . (x - mean) / scale + b), in [0, 1]."""
+
+    weights: np.ndarray
+    bias: float
+    mean: np.ndarray
+    scale: np.ndarray
+    shares: dict[float, float]  # upstream share of the fit rows' tokens -> score threshold
+    model_sha256: str
+    meta: dict[str, Any]
+
+    def score(self, x: np.ndarray) -> float:
+        z = float(np.dot(self.weights, (x - self.mean) / self.scale)) + self.bias
+        return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
+
+    def threshold_for_share(self, share: float) -> float:
+        """The score threshold for `share`, interpolated between the fitted shares."""
+        known = sorted(self.shares.items())
+        xs, ys = [s for s, _ in known], [t for _, t in known]
+        return float(np.interp(share, xs, ys))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "features": list(FEATURES), "model_sha256": self.model_sha256,
+                "weights": self.weights.tolist(), "bias": self.bias, "mean": self.mean.tolist(),
+                "scale": self.scale.tolist(), "shares": {str(k): v for k, v in sorted(self.shares.items())},
+                **self.meta}
+
+    @classmethod
+    def load(cls, path: str | Path, model_sha256: str | None = None) -> "Router":
+        """Read a router file; RouterError if it is not one, or was trained for another model."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise RouterError(f"cannot read router {path}: {exc}") from exc
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise RouterError(f"{path} is not a router file ({FORMAT})")
+        if data.get("features") != list(FEATURES):
+            raise RouterError(f"{path} was trained on features {data.get('features')}, this gateway computes "
+                              f"{list(FEATURES)}")
+        if model_sha256 is not None and data.get("model_sha256") != model_sha256:
+            raise RouterError(f"{path} was trained for the local model with sha256 {data.get('model_sha256')}, "
+                              f"not {model_sha256}")
+        meta = {k: v for k, v in data.items() if k not in
+                ("format", "features", "model_sha256", "weights", "bias", "mean", "scale", "shares")}
+        return cls(np.array(data["weights"], dtype=float), float(data["bias"]), np.array(data["mean"], dtype=float),
+                   np.array(data["scale"], dtype=float), {float(k): float(v) for k, v in data["shares"].items()},
+                   data["model_sha256"], meta)
+
+
+@dataclass
+class LearnedAbove:
+    """Route when the router's score (the predicted chance that the local token is not the
+    upstream's) exceeds the threshold."""
+
+    router: Router
+    threshold: float
+    name: str = "learned"
+
+    def decide(self, signal: Signal, state: RoutingState) -> Route:
+        return Route.UPSTREAM if self.router.score(features(signal)) > self.threshold else Route.LOCAL
+
+
+@dataclass
+class FirstTokens:
+    """Route the first `count` answer tokens and nothing else (a baseline: on CommonsenseQA the
+    answer letter is the first token)."""
+
+    count: int
+    name: str = "first"
+
+    def decide(self, signal: Signal, state: RoutingState) -> Route:
+        return Route.UPSTREAM if signal.position < self.count else Route.LOCAL

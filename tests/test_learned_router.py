@@ -1,0 +1,115 @@
+"""The learned router: features from the decoder's own signals, training, the model-hash check, serving."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from adapters.store import Limits, MemoryStore
+from eval.analysis import auroc
+from eval.learn import compare, train
+from gateway.budget import HandoffGate, Ledger
+from gateway.chat import resolve_routing
+from gateway.decoder import DecodeRequest, Decoding
+from gateway.errors import InvalidRequest
+from gateway.settings import RoutingOverride, RoutingSettings
+from gateway.signals import signal_of, token_kind
+from policies import Route, RoutingState, build_policy
+from policies.learned import FEATURES, Router, RouterError, features
+from tests.fakes import FakeLocalModel
+
+VOCAB = ["Paris", " is", " nice", " 42", ".", "\n", *sorted(set("Paris is nice 42."))]
+
+
+class Recording:
+    """A policy that routes nothing and keeps every signal it is shown."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.signals = []
+
+    def decide(self, signal, state):
+        self.signals.append(signal)
+        return Route.LOCAL
+
+
+async def test_features_are_read_from_the_decoders_own_signals():
+    local = FakeLocalModel(VOCAB, "Paris is 42.\nnice", uncertain_at=frozenset({1, 3}), lean=1.0)
+    policy = Recording()
+    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=12, policy=policy)
+    decoding = Decoding(local, None, HandoffGate(Ledger(MemoryStore()), "t", Limits(), allowed=True), request)
+    [piece async for piece in decoding.pieces()]
+    assert decoding.finish_reason == "stop"
+    assert len(policy.signals) == len(decoding.answer_tokens) + 1  # plus the step that ended the answer
+    for position, (signal, logits) in enumerate(zip(policy.signals, [
+            await local.forward(local.forwards[i]) for i in range(len(policy.signals))])):
+        expected = signal_of(logits, position, lambda t: token_kind(local.token_bytes(t)))
+        assert signal == expected
+        x = features(signal)
+        assert x[FEATURES.index("entropy")] == signal.entropy and x[FEATURES.index("p3")] == signal.top[2]
+        assert x[FEATURES.index("first")] == (position == 0)
+    kinds = [s.kind for s in policy.signals[:len(decoding.answer_tokens)]]
+    assert kinds == [token_kind(local.token_bytes(t)) for t in decoding.answer_tokens]
+    assert {"word", "digit", "punct", "newline"} <= set(kinds)
+
+
+def synthetic(n: int, seed: int) -> list[dict]:
+    """Answers whose mismatches are digits written with entropy above 1, or the first token: no
+    single signal separates them, the features together do."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for _ in range(n):
+        length = 12
+        entropy = rng.uniform(0, 3, length)
+        kinds = rng.choice(["word", "digit", "piece"], length)
+        mismatch = ((entropy > 1.0) & (kinds == "digit")) | (np.arange(length) == 0)
+        top1 = np.clip(1.2 - entropy / 2.5 + rng.normal(0, 0.05, length), 0.05, 1.0)
+        records.append({"n": length, "mismatch": "".join("1" if m else "0" for m in mismatch),
+                        "entropy": entropy.round(4).tolist(), "top1": top1.round(4).tolist(),
+                        "margin": (top1 * 0.8).round(4).tolist(), "kind": kinds.tolist(),
+                        "top": [[t, t * 0.2, t * 0.1, t * 0.05] for t in top1.round(4)]})
+    return records
+
+
+def test_a_router_trained_on_a_synthetic_set_separates_it():
+    router = train(synthetic(300, 0), [0.1, 0.2, 0.3], "sha-of-model", {})
+    held_out = synthetic(200, 1)
+    rows = {(r["method"], r["target_share"]): r for r in compare(router, held_out, [0.3])}
+    learned, entropy = rows[("learned", 0.3)], rows[("entropy", 0.3)]
+    assert learned["mismatch_recall"] > 0.9 > entropy["mismatch_recall"] + 0.2
+    assert abs(learned["share"] - entropy["share"]) < 0.02  # compared at the same share
+    assert router.threshold_for_share(0.1) > router.threshold_for_share(0.3)
+
+
+def test_a_router_file_trained_for_another_model_is_refused(tmp_path):
+    router = train(synthetic(50, 0), [0.2], "sha-of-model", {"command": "test"})
+    path = tmp_path / "router.json"
+    path.write_text(__import__("json").dumps(router.to_json()))
+    loaded = Router.load(path, "sha-of-model")
+    x = features(signal_of(np.array([3.0, 1.0, 0.5, 0.0, -1.0]), 2))
+    assert loaded.score(x) == pytest.approx(router.score(x)) and loaded.meta["command"] == "test"
+    with pytest.raises(RouterError, match="trained for the local model with sha256 sha-of-model"):
+        Router.load(path, "sha-of-another-model")
+    path.write_text("{}")
+    with pytest.raises(RouterError, match="not a router file"):
+        Router.load(path)
+
+
+def test_learned_policy_routes_above_its_threshold_and_needs_a_router():
+    router = train(synthetic(100, 0), [0.2], "sha", {})
+    policy = build_policy("learned", target_fraction=0.2, router=router)
+    scores = [router.score(features(signal_of(np.array([v, 0.0, 0.0, 0.0]), 1))) for v in (0.0, 8.0)]
+    decisions = [policy.decide(signal_of(np.array([v, 0.0, 0.0, 0.0]), 1), RoutingState()) for v in (0.0, 8.0)]
+    threshold = router.threshold_for_share(0.2)
+    assert decisions == [Route.UPSTREAM if s > threshold else Route.LOCAL for s in scores]
+    alias = RoutingSettings(policy="entropy", threshold=2.0)
+    with pytest.raises(InvalidRequest) as refused:
+        resolve_routing(alias, RoutingOverride(policy="learned", target_fraction=0.1))
+    assert refused.value.param == "routing.policy"
+    with_router = RoutingSettings(policy="entropy", threshold=2.0, router="router.json")
+    assert resolve_routing(with_router, RoutingOverride(policy="learned", target_fraction=0.1)).policy == "learned"
+    first = resolve_routing(alias, RoutingOverride(policy="first", threshold=2))
+    assert build_policy(first.policy, first.threshold).decide(signal_of(np.zeros(3), 1), RoutingState()) is Route.UPSTREAM
+    with pytest.raises(InvalidRequest):
+        resolve_routing(alias, RoutingOverride(policy="first", threshold=1.5))
