@@ -269,6 +269,18 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _decision_us(router: Any) -> float:
+    from policies import RoutingState, build_policy
+    from policies.base import Signal
+
+    policy = build_policy("learned", threshold=0.5, router=router)
+    signal, state = Signal(1.2, 0.5, 0.2, 7, (0.5, 0.3, 0.1, 0.05), "word"), RoutingState()
+    started = time.perf_counter()
+    for _ in range(10_000):
+        policy.decide(signal, state)
+    return (time.perf_counter() - started) / 10_000 * 1e6
+
+
 def _learn(args: argparse.Namespace, fit: list[dict[str, Any]], held_out: list[dict[str, Any]]) -> None:
     from adapters.model_files import model_sha256
     from eval.learn import compare, comparison_table, ranking_quality, train
@@ -286,6 +298,7 @@ def _learn(args: argparse.Namespace, fit: list[dict[str, Any]], held_out: list[d
     args.learn.write_text(json.dumps(router.to_json(), indent=1) + "\n")
     print(f"\nrouter: {args.learn} (weights on standardised features: "
           + ", ".join(f"{name} {w:+.2f}" for name, w in zip(router.to_json()["features"], router.weights)) + ")")
+    print(f"one decision (features + score) takes {_decision_us(router):.1f} us on this machine")
     if held_out:
         print(f"\nheld-out rows {args.eval_rows}, AUROC: "
               + ", ".join(f"{k} {v:.3f}" for k, v in ranking_quality(router, held_out).items()))

@@ -70,15 +70,16 @@ def cost_plot(configs: dict[str, list[dict[str, Any]]], path: Path, title: str) 
     summaries = {name: cost_summary(records) for name, records in configs.items() if records}
     panels = [("compute_s_per_correct", "self-hosted: upstream compute s per correct answer"),
               *((f"usd_per_1k_correct[{sheet}]", f"{sheet}: USD per 1k correct answers") for sheet in SHEETS)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), sharey=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.6), sharey=True)
+    markers = "osD^v<>phX*"
     for ax, (key, label) in zip(axes, panels):
-        for name, s in summaries.items():
-            ax.scatter(s[key], s["accuracy"], s=30)
-            ax.annotate(name, (s[key], s["accuracy"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        for index, (name, s) in enumerate(summaries.items()):
+            ax.scatter(s[key], s["accuracy"], s=40, marker=markers[index % len(markers)], label=name, alpha=0.8)
         ax.set_xlabel(label, fontsize=8)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(4, len(summaries)), fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)

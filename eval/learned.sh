@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The learned-router runs of docs/results.md ("A learned router"): the reference pair, upstream as
+# llama-server in tokens mode, warmed. The router and the top1 thresholds are fitted on
+# CommonsenseQA rows 200-299 (teacher-forced upstream answers); rows 0-199 are reported.
+# Resumable: rerun to continue.   nohup nice -n 15 bash eval/learned.sh > eval-learned.log 2>&1 &
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+EVAL=".venv/bin/python -m eval"
+ROUTER=routers/csqa-qwen2.5-coder-0.5b.json
+mkdir -p eval/runs/router eval/runs/learned
+# The FS-GEN analysis with the router's features, on the reference run's upstream answers.
+cp -n eval/runs/reference/csqa__upstream.jsonl eval/runs/router/
+$EVAL analyze --dataset csqa --run-name router
+$EVAL calibrate --dataset csqa --run-name router --fit-rows 200:300 --eval-rows 0:200 --share 0.05 0.1 0.2 \
+  --learn $ROUTER
+# Live: local, upstream and top1@0.3666 come from the hand-off runs (same code path, eval/handoff.sh).
+for config in upstream local top1@0.3666; do cp -n "eval/runs/handoff/csqa__$config.jsonl" eval/runs/learned/; done
+$EVAL run --dataset csqa --rows 0:200 --run-name learned --warm --block 10 --router $ROUTER --configs \
+  learned@0.05 learned@0.1 learned@0.2 first@1 first@2 top1@0.1812 top1@0.2235 top1@0.3184
