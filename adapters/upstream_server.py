@@ -67,6 +67,12 @@ def server_command(gguf: Path, launch: LaunchSettings, port: int, alias: str) ->
     ]
 
 
+def forgetful_args() -> list[str]:
+    """llama-server arguments that let `UpstreamServer.forget` empty it (benchmarks and evaluations
+    measure each answer from a cold cache): no prompt cache in RAM, slot actions enabled."""
+    return ["--cache-ram", "0", "--slot-save-path", tempfile.mkdtemp(prefix="llama-server-slots-")]
+
+
 class UpstreamServer:
     """A child server on 127.0.0.1 (see `server_command`), stopped with the gateway (and with its parent)."""
 
@@ -119,6 +125,13 @@ class UpstreamServer:
                     await asyncio.sleep(0.25)
         self._terminate()
         raise UpstreamServerError(f"upstream server on port {self.port} not ready after {timeout_s:.0f}s")
+
+    async def forget(self, slots: int) -> None:
+        """Erase what llama-server's `slots` sequences hold (it must run with `forgetful_args`)."""
+        root = self.api_base.removesuffix("/v1")
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            for slot in range(slots):
+                (await client.post(f"{root}/slots/{slot}", params={"action": "erase"})).raise_for_status()
 
     def log_tail(self) -> str:
         lines = Path(self._log.name).read_text(errors="replace").strip().splitlines()

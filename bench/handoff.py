@@ -7,7 +7,8 @@ Run: .venv/bin/python -m bench.handoff [--local smollm2-135m-instruct] [--upstre
 The local model decodes in this process (one thread); the upstream is llama.cpp's llama-server on
 loopback (one thread) in tokens mode, warmed with each prompt, as the embedded default runs it.
 Each question is decoded under the three configurations in turn (so drift on this noisy machine
-hits all three alike), greedy. Printed per answer: wall time and its ratio to local-only, upstream
+hits all three alike), greedy, each from a cold upstream (its cache erased, so no configuration
+reads another's prompt). Printed per answer: wall time and its ratio to local-only, upstream
 calls, billed prompt / cached / completion tokens, the tokens the upstream actually evaluated
 (prompt not cached + completion) and the upstream's own compute time.
 """
@@ -23,7 +24,7 @@ from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
 from adapters.store import Limits, MemoryStore
 from adapters.upstream import Upstream
-from adapters.upstream_server import UpstreamServer
+from adapters.upstream_server import UpstreamServer, forgetful_args
 from eval.datasets import load_items
 from gateway.budget import HandoffGate, Ledger
 from gateway.decoder import DecodeRequest, Decoding
@@ -86,7 +87,7 @@ async def main() -> None:
     parser.add_argument("--until", default="word", choices=["tokens", "word", "line", "sentence"])
     args = parser.parse_args()
     local = await LocalModel.load(resolve_model(args.local), n_ctx=2048, n_threads=1, n_batch=256, queue_limit=4)
-    launch = LaunchSettings(gguf=args.upstream, n_threads=1, n_ctx=2048)
+    launch = LaunchSettings(gguf=args.upstream, n_threads=1, n_ctx=2048, extra_args=forgetful_args())
     server = UpstreamServer(resolve_model(args.upstream), launch, alias="up")
     configs = {"local only": (None, "never", 1, "tokens"), "routed, span 1": ("up", args.policy, 1, "tokens"),
                f"routed, span {args.span} until {args.until}": ("up", args.policy, args.span, args.until)}
@@ -98,6 +99,7 @@ async def main() -> None:
             warm=True, retries=0, timeout_s=120))
         for item in load_items(args.dataset, rows=args.rows):
             for name, (up, policy, span, until) in configs.items():
+                await server.forget(launch.parallel)  # every answer starts from a cold upstream
                 wall, decoding = await decode(local, upstream if up else None, item.messages, args.max_tokens,
                                               policy, args.threshold if up else None, span, until)
                 totals[name].add(wall, decoding)

@@ -9,16 +9,13 @@ server greedy at temperature 0 (llama-cpp-python's default of 1.1 would not be).
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
 
 from adapters.local_model import LocalModel
 from adapters.model_files import model_sha256, resolve_model
 from adapters.upstream import Upstream
-from adapters.upstream_server import UpstreamServer
+from adapters.upstream_server import UpstreamServer, forgetful_args
 from gateway.runtime import make_upstream
 from gateway.settings import LaunchSettings, UpstreamSettings
 from policies import Router
@@ -38,12 +35,8 @@ class Models:
     async def cold_upstream(self) -> None:
         """Erase every sequence the launched llama-server holds, so the next decode is billed and
         timed from a cold cache: one configuration's answer never reads another's cached prompt."""
-        if self.server is None or not self.server_slots:
-            return
-        root = self.server.api_base.removesuffix("/v1")
-        async with httpx.AsyncClient(timeout=30.0) as client:
-            for slot in range(self.server_slots):
-                (await client.post(f"{root}/slots/{slot}", params={"action": "erase"})).raise_for_status()
+        if self.server is not None and self.server_slots:
+            await self.server.forget(self.server_slots)
 
     def close(self) -> None:
         if self.server is not None:
@@ -84,11 +77,10 @@ async def open_models(options: ModelOptions, with_upstream: bool) -> Models:
         gguf = resolve_model(options.upstream, fetch=True)  # its chat template renders the prompts
         api_base = options.upstream_api_base
         if api_base is None:
-            # No prompt cache in RAM (erased sequences must stay erased); slot actions need a save path.
-            cold = ["--cache-ram", "0", "--slot-save-path", tempfile.mkdtemp(prefix="eval-slots-")]
+            cold = options.upstream_server == "llama-server"
             launch = LaunchSettings(gguf=str(gguf), server=options.upstream_server, n_threads=options.threads,
                                     n_ctx=options.n_ctx, parallel=max(2, options.parallel),
-                                    extra_args=cold if options.upstream_server == "llama-server" else [])
+                                    extra_args=forgetful_args() if cold else [])
             server = UpstreamServer(gguf, launch, "eval-upstream")
             await server.wait_ready(timeout_s=300.0)
             api_base = server.api_base
