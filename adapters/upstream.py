@@ -307,7 +307,8 @@ class Upstream:
             return await litellm.atext_completion(prompt=self.prompt_text(handoff), extra_body=s.extra_body, **common)
         messages, extra_body = self._chat_messages(handoff)
         messages, hints = cache_hints(s.model, messages, handoff.request_key)
-        return await litellm.acompletion(messages=messages, extra_body={**s.extra_body, **extra_body, **hints}, **common)
+        extra_body = {**s.extra_body, **extra_body, **hints}
+        return await litellm.acompletion(messages=messages, extra_body=extra_body, **common)
 
     @staticmethod
     def _split(handoff: Handoff) -> tuple[list[dict[str, Any]], str]:

@@ -238,7 +238,8 @@ class Decoding:
             if self.local.is_end_of_generation(guesses[-1].token) or len(self.answer_tokens) + len(guesses) >= self.limit:
                 break
             ahead = await sequence.forward(self.prompt_tokens + self.answer_tokens + [g.token for g in guesses])
-            guesses.append(Guess(int(np.argmax(ahead)), ahead, self._signal(ahead, len(self.answer_tokens) + len(guesses))))
+            position = len(self.answer_tokens) + len(guesses)
+            guesses.append(Guess(int(np.argmax(ahead)), ahead, self._signal(ahead, position)))
         sequence.pause()  # until the hand-off returns: the engine must not wait for this request
         return guesses
 

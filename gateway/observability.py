@@ -82,9 +82,9 @@ class Metrics:
                                               ["alias"], registry=r)
         self.upstream_completion_tokens = Counter("gateway_upstream_completion_tokens",
                                                   "Completion tokens billed by upstreams.", ["alias"], registry=r)
-        self.upstream_cached_tokens = Counter("gateway_upstream_cached_tokens",
-                                              "Prompt tokens upstreams read from their cache (billed at the cached price).",
-                                              ["alias"], registry=r)
+        self.upstream_cached_tokens = Counter(
+            "gateway_upstream_cached_tokens", "Prompt tokens upstreams read from their cache (billed at the cached "
+            "price).", ["alias"], registry=r)
         self.upstream_compute = Counter("gateway_upstream_compute_seconds",
                                         "Upstreams' own prompt + generation time, where they report it.",
                                         ["alias"], registry=r)

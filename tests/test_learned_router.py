@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from adapters.store import Limits, MemoryStore
-from eval.analysis import auroc
 from eval.learn import compare, train
 from gateway.budget import HandoffGate, Ledger
 from gateway.chat import resolve_routing
