@@ -84,15 +84,18 @@ def sse_error_event(error: GatewayError) -> dict:
     return {"data": json.dumps(error.body())}
 
 
-def param_of(location: tuple) -> str | None:
+def param_of(location: tuple, last_is_field: bool = False) -> str | None:
     """pydantic's error location as OpenAI's param: ('messages', 0, 'content') -> messages[0].content.
 
-    pydantic also names the union member it tried ('str', 'list[TextPart]'); those are not fields."""
+    pydantic also names the union member it tried ('str', 'list[TextPart]'); those are not fields.
+    The first name is always a field (a request's own key), and so is the last when
+    `last_is_field` (an unknown key, which may look like a type name)."""
     parts: list[str] = []
-    for item in location:
+    for index, item in enumerate(location):
         if item in ("body",) and not parts:
             continue
-        if isinstance(item, str) and _union_member(item):
+        last = index == len(location) - 1
+        if isinstance(item, str) and parts and not (last and last_is_field) and _union_member(item):
             continue
         if isinstance(item, int):
             parts.append(f"[{item}]")

@@ -66,7 +66,7 @@ async def parse_chat_request(request: Request) -> ChatCompletionRequest:
         message = error["msg"]
         if error["type"] == "extra_forbidden":
             message = f"Unrecognized request argument supplied: {error['loc'][-1]}"
-        raise InvalidRequest(message, param=param_of(tuple(error["loc"]))) from exc
+        raise InvalidRequest(message, param=param_of(tuple(error["loc"]), error["type"] == "extra_forbidden")) from exc
 
 
 @router.post("/v1/chat/completions")
