@@ -68,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     analyze.add_argument("--n-ctx", type=int, default=1024)
     analyze.set_defaults(command=_analyze)
 
+    diverge = commands.add_parser("diverge", help="R2R's divergent labels: mismatches that change the prediction")
+    _common(diverge)
+    diverge.add_argument("--max-tokens", type=int, help=f"answer length of the roll-outs (default {MAX_TOKENS})")
+    diverge.add_argument("--parallel", type=int, default=4, help="roll-outs decoded at once")
+    diverge.add_argument("--n-ctx", type=int, default=2048)
+    diverge.set_defaults(command=_diverge)
+
     calibrate = commands.add_parser("calibrate", help="thresholds for a target upstream share or token accuracy")
     _where(calibrate)
     calibrate.add_argument("--fit-rows", required=True, help="rows to fit on, e.g. 200:300")
@@ -76,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--share", nargs="*", type=float, default=[], help="target upstream shares")
     calibrate.add_argument("--accuracy", nargs="*", type=float, default=[], help="target token accuracies")
     calibrate.add_argument("--local", default=LOCAL, help=f"the analysed local model, for --learn (default {LOCAL})")
+    calibrate.add_argument("--label", choices=["mismatch", "divergent"], default="mismatch",
+                           help="--learn's label: every mismatch, or only those that change the prediction "
+                                "(python -m eval diverge first)")
     calibrate.add_argument("--learn", type=Path, metavar="ROUTER_JSON",
                            help="also train a learned router on the fit rows and write it here; prints it against "
                                 "the threshold rules at equal share on the held-out rows")
@@ -235,6 +245,45 @@ def _analyze(args: argparse.Namespace) -> int:
 
 # -- calibrate --
 
+def _diverge(args: argparse.Namespace) -> int:
+    from eval.records import in_rows, read_records, records_path
+
+    run_dir = args.runs_dir / args.run_name
+    analysis = {r["id"]: r for r in read_records(run_dir / "analysis" / f"{args.dataset}.jsonl")}
+    references = {r["id"]: r for r in read_records(records_path(run_dir, args.dataset, "upstream"))}
+    out = run_dir / "analysis" / f"{args.dataset}.divergent.jsonl"
+    done = {r["id"] for r in read_records(out)}
+    items = [i for i in load_items(args.dataset, args.data, args.rows)
+             if i.id in analysis and i.id in references and i.id not in done]
+    asyncio.run(_diverge_async(args, items, analysis, references, out))
+    records = in_rows(read_records(out), parse_rows(args.rows)) if args.rows else read_records(out)
+    mismatches = sum(r["mismatch"].count("1") for r in records)
+    divergent = sum(r["divergent"].count("1") for r in records)
+    print(f"{len(records)} answers: {divergent} of {mismatches} mismatches change the prediction")
+    return 0
+
+
+async def _diverge_async(args: argparse.Namespace, items: list[Any], analysis: dict[str, Any],
+                         references: dict[str, Any], out: Path) -> None:
+    from adapters.local_model import LocalModel
+    from adapters.model_files import resolve_model
+    from eval.divergence import divergent
+    from eval.records import append_record
+
+    if not items:
+        return
+    local = await LocalModel.load(resolve_model(args.local, fetch=True), args.n_ctx, args.threads, n_batch=256,
+                                  queue_limit=64, parallel=args.parallel)
+    try:
+        for item in tqdm(items, unit="item", mininterval=2.0):
+            record = analysis[item.id]
+            labels = await divergent(local, args.dataset, item, references[item.id]["tokens"], record["mismatch"],
+                                     args.max_tokens or MAX_TOKENS[args.dataset])
+            append_record(out, {"id": item.id, "row": item.row, "mismatch": record["mismatch"], "divergent": labels})
+    finally:
+        local.close()
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from eval.calibrate import calibrate, snippet
     from eval.records import in_rows, read_records, write_json
@@ -284,13 +333,20 @@ def _decision_us(router: Any) -> float:
 def _learn(args: argparse.Namespace, fit: list[dict[str, Any]], held_out: list[dict[str, Any]]) -> None:
     from adapters.model_files import model_sha256
     from eval.learn import compare, comparison_table, ranking_quality, train
+    from eval.records import read_records
 
     if not args.share:
         raise ValueError("--learn needs --share targets (the router's thresholds are fitted for them)")
     if "top" not in fit[0]:
         raise ValueError("the analysis has no top-k probabilities or token kinds: rerun `python -m eval analyze` "
                          "into a fresh run directory")
-    meta = {"command": f"python -m eval {shlex.join(sys.argv[1:])}", "labels": "mismatch",
+    if args.label == "divergent":
+        labels = {r["id"]: r["divergent"] for r in read_records(
+            args.runs_dir / args.run_name / "analysis" / f"{args.dataset}.divergent.jsonl")}
+        fit = [{**r, "mismatch": labels[r["id"]]} for r in fit if r["id"] in labels]
+        if not fit:
+            raise ValueError("no divergent labels for the fit rows: run `python -m eval diverge` on them first")
+    meta = {"command": f"python -m eval {shlex.join(sys.argv[1:])}", "labels": args.label,
             "local_model": args.local, "dataset": args.dataset, "fit_rows": args.fit_rows,
             "fit_answers": len(fit)}
     router = train(fit, args.share, model_sha256(args.local), meta)

@@ -112,3 +112,15 @@ def test_learned_policy_routes_above_its_threshold_and_needs_a_router():
     assert build_policy(first.policy, first.threshold).decide(signal_of(np.zeros(3), 1), RoutingState()) is Route.UPSTREAM
     with pytest.raises(InvalidRequest):
         resolve_routing(alias, RoutingOverride(policy="first", threshold=1.5))
+
+
+async def test_divergent_marks_only_the_mismatch_that_changes_the_prediction():
+    from eval.datasets import Item
+    from eval.divergence import divergent
+
+    local = FakeLocalModel(["A", "B", ".", " library", " is", " nice"], "B. library is nice")
+    item = Item("q", [{"role": "user", "content": "q"}], "B", {"choices": {"A": "park", "B": "library"}})
+    reference = local.tokenize_text(b"A. library is nice")  # the upstream's answer
+    # The local model wants "B" first and, once off its own track, ends the answer at once.
+    labels = await divergent(local, "csqa", item, reference, "11000", max_tokens=8)
+    assert labels == "10000"  # "B" instead of "A" changes the answer; ending after "A" does not
