@@ -18,3 +18,15 @@ $EVAL calibrate --dataset csqa --run-name router --fit-rows 200:300 --eval-rows 
 for config in upstream local top1@0.3666; do cp -n "eval/runs/handoff/csqa__$config.jsonl" eval/runs/learned/; done
 $EVAL run --dataset csqa --rows 0:200 --run-name learned --warm --block 10 --router $ROUTER --configs \
   learned@0.05 learned@0.1 learned@0.2 first@1 first@2 top1@0.1812 top1@0.2235 top1@0.3184
+# R2R's divergent labels on the fit rows (mismatches whose two greedy local roll-outs disagree on
+# the prediction), a router trained on them, and its live runs.
+$EVAL diverge --dataset csqa --run-name router --rows 200:300 --threads 2
+DIVERGENT=routers/csqa-divergent-qwen2.5-coder-0.5b.json
+$EVAL calibrate --dataset csqa --run-name router --fit-rows 200:300 --eval-rows 0:200 --share 0.03 0.05 0.1 \
+  --label divergent --learn $DIVERGENT --out eval/runs/router/calibrated_csqa_divergent.yaml
+mkdir -p eval/runs/learned_divergent
+for config in upstream local top1@0.3184 first@1; do
+  cp -n "eval/runs/learned/csqa__$config.jsonl" eval/runs/learned_divergent/
+done
+$EVAL run --dataset csqa --rows 0:200 --run-name learned_divergent --warm --block 10 --router $DIVERGENT \
+  --configs learned@0.03 learned@0.05 learned@0.1

@@ -68,3 +68,17 @@ def test_no_discount_is_assumed_when_no_cached_price_is_known():
     priced = upstream(model="openai/x", input_usd_per_mtok=1.0, output_usd_per_mtok=2.0)
     assert priced.estimate_cost(1000, 0, cached_tokens=800) == priced.estimate_cost(1000, 0)
     assert upstream(model="openai/not-a-mapped-model").prices == (0.0, 0.0, 0.0)
+
+
+def test_cache_hints_follow_each_providers_documented_form():
+    from adapters.upstream import cache_hints
+
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "partial"}]
+    marked, extra = cache_hints("anthropic/claude-x", messages, "key")
+    assert extra == {} and marked[2] == messages[2] and marked[0] == messages[0]
+    assert marked[1]["content"] == [{"type": "text", "text": "q", "cache_control": {"type": "ephemeral"}}]
+    assert messages[1]["content"] == "q"  # the caller's messages are not changed
+    assert cache_hints("openai/gpt-4o-mini", messages, "key") == (messages, {"prompt_cache_key": "key"})
+    assert cache_hints("mistral/mistral-small", messages, "key")[1] == {"prompt_cache_key": "key"}
+    assert cache_hints("deepseek/deepseek-chat", messages, "key") == (messages, {})  # caches on its own
