@@ -101,7 +101,8 @@ class RoutingUsage:
             self.degraded.append(reason)
 
     def bill(self, continuation: Continuation, warm: bool = False) -> None:
-        self.upstream_calls += 0 if warm else 1
+        if not warm:
+            self.upstream_calls += 1
         self.upstream_prompt_tokens += continuation.prompt_tokens
         self.upstream_completion_tokens += continuation.completion_tokens
         self.upstream_cached_tokens += continuation.cached_tokens
@@ -127,6 +128,7 @@ class Decoding:
         self._upstream_closed = upstream is None
         self._handoff = upstream.handoff(request.messages, request.continue_final) if upstream else None
         self._warming: asyncio.Future | None = None  # the warm-up call, until the first hand-off waits for it
+        self._kind_of = self._token_kind if getattr(request.policy, "detailed_signal", False) else None
 
     def source_counts(self) -> dict[str, int]:
         return {name: self.sources.count(name) for name in (LOCAL, UPSTREAM, CACHE)}
@@ -160,7 +162,10 @@ class Decoding:
             yield Piece(tail, (), self.sources[-1] if self.sources else LOCAL, None)
 
     def _signal(self, logits: np.ndarray, position: int) -> Signal:
-        return signal_of(logits, position, lambda token: token_kind(self.local.token_bytes(token)))
+        return signal_of(logits, position, self._kind_of)
+
+    def _token_kind(self, token: int) -> str:
+        return token_kind(self.local.token_bytes(token))
 
     def _may_route(self) -> bool:
         return not self._upstream_closed and self.request.policy.name != "never" and self.upstream.available

@@ -22,14 +22,15 @@ class Sampling:
         return self.temperature <= 0.0
 
 
-TOP_K = 4  # probabilities kept in Signal.top (learned routers read them)
+TOP_K = 4  # probabilities kept in a detailed Signal.top (learned routers read them)
 
 
 def signal_of(logits: np.ndarray, position: int, kind_of: Callable[[int], str] | None = None) -> Signal:
-    """Entropy (nats), top-1 probability, top-1/top-2 margin and the top-4 probabilities of
-    softmax(logits), and the kind of the most likely token when `kind_of` is given.
+    """Entropy (nats), top-1 probability and top-1/top-2 margin of softmax(logits); with `kind_of`
+    (a detailed signal, for policies that read more) also the top-4 probabilities and the kind of
+    the most likely token.
 
-    One exp over the vocabulary and a few max passes: with x = logits - max, e = exp(x) and
+    One exp over the vocabulary and one more pass (three when detailed): with x = logits - max, e = exp(x) and
     Z = sum(e), p1 = 1/Z, H = log Z - sum(e * x) / Z.
     """
     best = int(np.argmax(logits))
@@ -37,10 +38,12 @@ def signal_of(logits: np.ndarray, position: int, kind_of: Callable[[int], str] |
     weights = np.exp(shifted)
     total = float(weights.sum())
     entropy = float(np.log(total) - np.dot(weights, shifted) / total)
+    weights[best] = 0.0
     top = [1.0]
-    for _ in range(TOP_K - 1):
-        weights[int(np.argmax(weights))] = 0.0
-        top.append(float(weights.max()))
+    for _ in range((TOP_K if kind_of else 2) - 1):
+        following = int(np.argmax(weights))
+        top.append(float(weights[following]))
+        weights[following] = 0.0
     return Signal(entropy=max(entropy, 0.0), top1=1.0 / total, margin=(1.0 - top[1]) / total, position=position,
                   top=tuple(p / total for p in top), kind=kind_of(best) if kind_of else "")
 

@@ -20,8 +20,8 @@ class Signal:
     top1: float  # probability of the most likely token
     margin: float  # top-1 minus top-2 probability
     position: int  # index of this token in the answer
-    top: tuple[float, ...] = ()  # the four largest probabilities, largest first
-    kind: str = ""  # what the local model's most likely token is: word, piece, digit, punct, newline
+    top: tuple[float, ...] = ()  # the largest probabilities, largest first (four in a detailed signal)
+    kind: str = ""  # detailed: what the most likely token is (word, piece, digit, punct, newline)
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,10 @@ class RoutingState:
 
 
 class Policy(Protocol):
-    """A small object with no I/O: given a step's signal and state, say where the step goes."""
+    """A small object with no I/O: given a step's signal and state, say where the step goes.
+
+    A policy that reads `Signal.top` beyond two entries or `Signal.kind` sets `detailed_signal`;
+    the decoder computes them only then (they cost a pass over the vocabulary every step)."""
 
     name: str
 

@@ -27,6 +27,10 @@ class Capped:
     def name(self) -> str:
         return self.inner.name
 
+    @property
+    def detailed_signal(self) -> bool:
+        return getattr(self.inner, "detailed_signal", False)
+
     def decide(self, signal: Signal, state: RoutingState) -> Route:
         self.vetoed = None
         if self.inner.decide(signal, state) is Route.LOCAL:

@@ -95,6 +95,7 @@ class LearnedAbove:
     router: Router
     threshold: float
     name: str = "learned"
+    detailed_signal: bool = True
 
     def decide(self, signal: Signal, state: RoutingState) -> Route:
         return Route.UPSTREAM if self.router.score(features(signal)) > self.threshold else Route.LOCAL

@@ -21,9 +21,10 @@ VOCAB = ["Paris", " is", " nice", " 42", ".", "\n", *sorted(set("Paris is nice 4
 
 
 class Recording:
-    """A policy that routes nothing and keeps every signal it is shown."""
+    """A policy that routes nothing and keeps every (detailed) signal it is shown."""
 
     name = "recording"
+    detailed_signal = True
 
     def __init__(self) -> None:
         self.signals = []
