@@ -38,10 +38,9 @@ import yaml
 
 from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
-from adapters.store import Limits, MemoryStore
 from adapters.upstream_server import free_port
-from gateway.budget import HandoffGate, Ledger
-from gateway.decoder import DecodeRequest, Decoding
+from bench import decoding_for
+from gateway.decoder import DecodeRequest
 from policies import build_policy
 from tests.conftest import wait_http
 
@@ -96,7 +95,7 @@ def summary(streams: list[Stream]) -> tuple[float, list[float]]:
 
 async def engine_stream(local: LocalModel, index: int, round_tag: int, tokens: int, started: float) -> Stream:
     request = DecodeRequest(messages=messages(index, round_tag), max_tokens=tokens, policy=build_policy("never"))
-    decoding = Decoding(local, None, HandoffGate(Ledger(MemoryStore()), "bench", Limits(), allowed=False), request)
+    decoding = decoding_for(local, None, request)
     first = None
     async for piece in decoding.pieces():
         if first is None and piece.tokens:

@@ -20,9 +20,8 @@ from llama_cpp import Llama
 
 from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
-from adapters.store import Limits, MemoryStore
-from gateway.budget import HandoffGate, Ledger
-from gateway.decoder import DecodeRequest, Decoding
+from bench import decoding_for, timed
+from gateway.decoder import DecodeRequest
 from gateway.signals import signal_of
 from policies import RoutingState, build_policy
 
@@ -42,12 +41,9 @@ def llama_greedy(llm: Llama, tokens: list[int], count: int) -> float:
 
 async def decoder_never(local: LocalModel, count: int) -> float:
     request = DecodeRequest(messages=PROMPT, max_tokens=count, policy=build_policy("never"))
-    decoding = Decoding(local, None, HandoffGate(Ledger(MemoryStore()), "bench", Limits(), allowed=False), request)
+    decoding = decoding_for(local, None, request)
     local.engine.forget()  # start cold, as llama_greedy does after reset()
-    started = time.perf_counter()
-    async for _ in decoding.pieces():
-        pass
-    return len(decoding.answer_tokens) / (time.perf_counter() - started)
+    return len(decoding.answer_tokens) / await timed(decoding)
 
 
 def signal_and_policy_seconds(logits: np.ndarray, repeats: int = 2000) -> float:

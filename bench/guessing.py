@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
-from adapters.store import Limits, MemoryStore
 from adapters.upstream_server import UpstreamServer
-from gateway.budget import HandoffGate, Ledger
+from bench import decoding_for, timed
 from gateway.decoder import GUESS_LIMIT, DecodeRequest, Decoding
 from gateway.runtime import make_upstream
 from gateway.settings import LaunchSettings, UpstreamSettings
@@ -52,11 +50,8 @@ async def decode(local: LocalModel, upstream: Any, prompt: str, tokens: int, pol
                  share: float) -> tuple[float, Decoding]:
     request = DecodeRequest(messages=[{"role": "user", "content": prompt}], max_tokens=tokens,
                             policy=build_policy(policy, target_fraction=share), guess_ahead=guess)
-    decoding = Decoding(local, upstream, HandoffGate(Ledger(MemoryStore()), "bench", Limits(), allowed=True), request)
-    started = time.perf_counter()
-    async for _ in decoding.pieces():
-        pass
-    return time.perf_counter() - started, decoding
+    decoding = decoding_for(local, upstream, request)
+    return await timed(decoding), decoding
 
 
 async def main() -> None:

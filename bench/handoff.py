@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 from dataclasses import dataclass, field
 
 from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
-from adapters.store import Limits, MemoryStore
 from adapters.upstream import Upstream
 from adapters.upstream_server import UpstreamServer, forgetful_args
+from bench import decoding_for, timed
 from eval.datasets import load_items
-from gateway.budget import HandoffGate, Ledger
 from gateway.decoder import DecodeRequest, Decoding
 from gateway.runtime import make_upstream
 from gateway.settings import LaunchSettings, UpstreamSettings
@@ -67,11 +65,8 @@ async def decode(local: LocalModel, upstream: Upstream | None, messages: list[di
                  threshold: float | None, span: int, until: str) -> tuple[float, Decoding]:
     request = DecodeRequest(messages=messages, max_tokens=max_tokens, span=span, span_until=until,
                             policy=build_policy(policy, threshold=threshold))
-    decoding = Decoding(local, upstream, HandoffGate(Ledger(MemoryStore()), "bench", Limits(), allowed=True), request)
-    started = time.perf_counter()
-    async for _ in decoding.pieces():
-        pass
-    return time.perf_counter() - started, decoding
+    decoding = decoding_for(local, upstream, request)
+    return await timed(decoding), decoding
 
 
 async def main() -> None:
