@@ -43,7 +43,8 @@ async def decoder_never(local: LocalModel, count: int) -> float:
     request = DecodeRequest(messages=PROMPT, max_tokens=count, policy=build_policy("never"))
     decoding = decoding_for(local, None, request)
     local.engine.forget()  # start cold, as llama_greedy does after reset()
-    return len(decoding.answer_tokens) / await timed(decoding)
+    seconds = await timed(decoding)
+    return len(decoding.answer_tokens) / seconds
 
 
 def signal_and_policy_seconds(logits: np.ndarray, repeats: int = 2000) -> float:
