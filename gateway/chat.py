@@ -76,7 +76,7 @@ def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None) 
         raise InvalidRequest("routing policy 'learned' needs a threshold or target_fraction", param="routing.threshold")
     try:
         return RoutingSettings(**merged)
-    except ValidationError as exc:
+    except ValidationError as exc:  # what is left after the checks above: first's whole-number threshold
         raise InvalidRequest(exc.errors()[0]["msg"].removeprefix("Value error, "), param="routing.threshold") from exc
 
 
