@@ -18,6 +18,7 @@ from llama_cpp import Llama
 
 from adapters.chat_template import ChatTemplate
 from adapters.engine import ContextOverflow, Engine, QueueFull, Sequence
+from adapters.grammar import Grammar
 from adapters.vocabulary import tokenize_parts
 
 __all__ = ["ContextOverflow", "LocalModel", "LocalModelError", "QueueFull", "system_info"]
@@ -44,6 +45,9 @@ class LocalModel:
         self.n_vocab = llm.n_vocab()
         vocab = llm._model.vocab  # noqa: SLF001 - needed for llama_vocab_is_eog
         self._eog = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)}
+        eos = llama_cpp.llama_vocab_eos(vocab)
+        self.end_token = eos if eos in self._eog else min(self._eog)  # one end-of-generation token
+        self._vocab = vocab
 
     @classmethod
     async def load(cls, path: Path, n_ctx: int, n_threads: int, n_batch: int, queue_limit: int,
@@ -95,6 +99,10 @@ class LocalModel:
             piece = self._llm.detokenize([token])
             self._piece_cache[token] = piece
         return piece
+
+    def grammar(self, gbnf: str) -> Grammar:
+        """A fresh parse state of `gbnf` over this model's vocabulary (raises GrammarUnsupported)."""
+        return Grammar(self._vocab, self.n_vocab, gbnf)
 
     def is_end_of_generation(self, token: int) -> bool:
         return token in self._eog

@@ -10,6 +10,11 @@ Each request decodes on a sequence of its own in the local model's batched engin
 the local model's own greedy guess; if the upstream writes what the guess began with, the rest of
 the guess is kept (each kept step still passes the policy, as it would have in turn), otherwise it
 is dropped and the next forward rewinds the sequence.
+
+A request's penalties and logit_bias adjust the local logits before anything reads them. Under a
+grammar (`response_format` JSON) every local token is one the grammar allows, an upstream span is
+kept only as far as the grammar accepts it (a step whose span it refuses entirely decodes locally),
+and the answer ends only where the grammar is complete; guessing ahead is off.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from typing import Any
 import numpy as np
 
 from adapters.engine import Sequence, common_prefix
+from adapters.grammar import Grammar
 from adapters.local_model import LocalModel
 from adapters.store import Billed
 from adapters.upstream import Continuation, Handoff, Upstream, UpstreamRejected, UpstreamUnavailable
 from gateway.budget import HandoffGate
+from gateway.logit_rules import LogitRules
 from gateway.signals import Sampling, log_softmax, sample, signal_of, token_kind
 from gateway.spans import cut_span
 from gateway.text_stream import TextReleaser
@@ -71,6 +78,8 @@ class DecodeRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     guess_ahead: int = GUESS_LIMIT  # 0: wait idle during hand-offs
+    rules: LogitRules = LogitRules()
+    grammar: str | None = None  # GBNF the answer must follow
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,7 @@ class Decoding:
         self._handoff = upstream.handoff(request.messages, request.continue_final) if upstream else None
         self._warming: asyncio.Future | None = None  # the warm-up call, until the first hand-off waits for it
         self._kind_of = self._token_kind if getattr(request.policy, "detailed_signal", False) else None
+        self._grammar: Grammar | None = local.grammar(request.grammar) if request.grammar else None
 
     def source_counts(self) -> dict[str, int]:
         return {name: self.sources.count(name) for name in (LOCAL, UPSTREAM, CACHE)}
@@ -146,20 +156,27 @@ class Decoding:
         try:
             async with self.local.sequence(self.prompt_tokens) as sequence:
                 while self.finish_reason is None:
-                    logits = await sequence.forward(self.prompt_tokens + self.answer_tokens)
+                    logits = await self._forward(sequence, self.answer_tokens)
                     signal = self._signal(logits, len(self.answer_tokens))
                     if self._decide(signal) is Route.UPSTREAM:
                         for piece in await self._upstream_step(sequence, logits, signal):
                             yield piece
                     else:
-                        yield self._local_step(logits, signal)
+                        yield await self._local_step(logits, signal)
         finally:
             if self._warming is not None:
                 self._warming.cancel()
                 await asyncio.gather(self._warming, return_exceptions=True)
+            if self._grammar is not None:
+                self._grammar.close()
         tail = self.text.finish()
         if tail:
             yield Piece(tail, (), self.sources[-1] if self.sources else LOCAL, None)
+
+    async def _forward(self, sequence: Sequence, answer: list[int]) -> np.ndarray:
+        """Next-token logits after `answer`, with the request's penalties and logit_bias applied."""
+        logits = await sequence.forward(self.prompt_tokens + answer)
+        return self.request.rules.apply(logits, answer) if self.request.rules.active else logits
 
     def _signal(self, logits: np.ndarray, position: int) -> Signal:
         return signal_of(logits, position, self._kind_of)
@@ -191,8 +208,16 @@ class Decoding:
             return Route.LOCAL
         return Route.UPSTREAM
 
-    def _local_step(self, logits: np.ndarray, signal: Signal) -> Piece:
-        return self._accept(sample(logits, self.request.sampling, self._rng), logits, signal)
+    async def _local_step(self, logits: np.ndarray, signal: Signal) -> Piece:
+        token = sample(logits, self.request.sampling, self._rng)
+        if self._grammar is not None and not self._grammar.allows(self.answer_tokens, token):
+            # Resampling from the masked logits draws exactly from the grammar's distribution.
+            logits = await asyncio.to_thread(self._grammar.mask, self.answer_tokens, logits)
+            if not np.isfinite(logits).any():  # the grammar allows nothing more, not even an end
+                self.finish_reason = "stop"
+                return Piece("", (), LOCAL, signal)
+            token = sample(logits, self.request.sampling, self._rng)
+        return self._accept(token, logits, signal)
 
     def _accept(self, token: int, logits: np.ndarray, signal: Signal) -> Piece:
         """Append a local token (or finish on an end-of-generation token)."""
@@ -219,8 +244,10 @@ class Decoding:
             call.cancel()
             raise
         before = list(self.answer_tokens)
+        if got is not None and self._grammar is not None:
+            got = self._grammar_cut(*got)
         if got is None or (not got[0] and not got[1]):
-            pieces = [self._local_step(logits, signal)]
+            pieces = [await self._local_step(logits, signal)]
         else:
             pieces = [await self._append_upstream(sequence, *got, signal)]
         return pieces + self._keep_guesses(before, guesses)
@@ -229,20 +256,32 @@ class Decoding:
                                signal: Signal) -> Piece:
         first_new, added = self._append_text(text, source)
         delta = self.text.feed(added)
+        if finished and self._grammar is not None:
+            finished = self._grammar.allows(self.answer_tokens, self.local.end_token)
         if finished:
             self.finish_reason = "stop"
         self._check_end()
         logprobs = await self._score(sequence, first_new) if self.request.logprobs else ()
         return Piece(delta, tuple(self.answer_tokens[first_new:]), source, signal, logprobs)
 
+    def _grammar_cut(self, text: str, finished: bool, source: str) -> tuple[str, bool, str]:
+        """The upstream's text as far as the grammar accepts it; finished only where the grammar
+        is complete there. A cut inside a character drops that character's bytes."""
+        tokens = self.local.tokenize_text(text.encode("utf-8"))
+        kept = self._grammar.accepted(self.answer_tokens, tokens)
+        kept_text = b"".join(self.local.token_bytes(t) for t in tokens[:kept]).decode("utf-8", "ignore")
+        if kept < len(tokens):
+            return kept_text, False, source
+        return kept_text, finished, source
+
     async def _guess(self, sequence: Sequence, logits: np.ndarray, signal: Signal, call: asyncio.Future) -> list[Guess]:
         """Greedy local tokens from this step on, decoded until the hand-off `call` is done."""
-        guessing = self.request.sampling.greedy and self.request.guess_ahead > 0
+        guessing = self.request.sampling.greedy and self.request.guess_ahead > 0 and self._grammar is None
         guesses = [Guess(int(np.argmax(logits)), logits, signal)] if guessing else []
         while guesses and not call.done() and len(guesses) <= self.request.guess_ahead:
             if self.local.is_end_of_generation(guesses[-1].token) or len(self.answer_tokens) + len(guesses) >= self.limit:
                 break
-            ahead = await sequence.forward(self.prompt_tokens + self.answer_tokens + [g.token for g in guesses])
+            ahead = await self._forward(sequence, self.answer_tokens + [g.token for g in guesses])
             position = len(self.answer_tokens) + len(guesses)
             guesses.append(Guess(int(np.argmax(ahead)), ahead, self._signal(ahead, position)))
         sequence.pause()  # until the hand-off returns: the engine must not wait for this request
@@ -317,7 +356,8 @@ class Decoding:
         sampling = self.request.sampling
         try:
             continuation = await self.upstream.continue_text(
-                handoff, span, sampling.temperature, sampling.top_p, self.request.seed
+                handoff, span, sampling.temperature, sampling.top_p, self.request.seed,
+                self.request.rules.upstream_params(),
             )
         except UpstreamUnavailable as exc:
             await asyncio.shield(self.gate.release(reservation))
@@ -376,6 +416,6 @@ class Decoding:
         """The local model's logprobs for answer tokens from `first` on (written upstream)."""
         scored = []
         for index in range(first, len(self.answer_tokens)):
-            logits = await sequence.forward(self.prompt_tokens + self.answer_tokens[:index])
+            logits = await self._forward(sequence, self.answer_tokens[:index])
             scored.append(self._logprob(logits, self.answer_tokens[index]))
         return tuple(scored)

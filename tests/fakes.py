@@ -94,6 +94,7 @@ class FakeUpstream:
     warms: bool = False
     cached_share: float = 0.0  # of each call's prompt tokens, billed as read from the cache
     calls: list[Handoff] = field(default_factory=list)
+    extras: list[dict] = field(default_factory=list)  # each call's extra sampling parameters
 
     def handoff(self, messages: list[dict], continue_final: bool = False) -> Handoff:
         return Handoff("", messages, "", continue_final)
@@ -111,8 +112,9 @@ class FakeUpstream:
         return (prompt_tokens - cached_tokens + completion_tokens) * 1e-6 + cached_tokens * 1e-7
 
     async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
-                            seed: int | None) -> Continuation:
+                            seed: int | None, extra: dict | None = None) -> Continuation:
         self.calls.append(handoff)
+        self.extras.append(extra or {})
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.fail:

@@ -1,0 +1,104 @@
+"""Output that parses by construction: llama.cpp's grammar sampler over logits the engine computed.
+
+`gbnf_for` turns an OpenAI `response_format` into a GBNF grammar (llama-cpp-python's port of
+llama.cpp's JSON-schema converter); `Grammar` holds one answer's parse state and answers three
+questions about the next token: is it allowed, which tokens are (a mask), and how much of a
+proposed continuation is. Its state always matches the answer tokens it is given: extending them
+accepts the new tokens, anything else (a re-tokenized boundary) replays the answer from the start.
+The grammar works on bytes, so two tokenizations of the same text reach the same state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import llama_cpp
+import numpy as np
+from llama_cpp import llama_grammar
+
+TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
+
+
+class GrammarUnsupported(Exception):
+    """The response format cannot be written as a grammar; the message says why."""
+
+
+def gbnf_for(kind: str, schema: dict[str, Any] | None = None) -> str:
+    """The grammar of `json_object` (any JSON object) or of `json_schema` with `schema`."""
+    if kind == "json_object":
+        return llama_grammar.JSON_GBNF
+    try:
+        return llama_grammar.json_schema_to_gbnf(json.dumps(schema or {}))
+    except Exception as exc:  # noqa: BLE001 - the converter raises bare errors of several kinds
+        raise GrammarUnsupported(f"the JSON schema cannot be turned into a grammar: {exc}") from exc
+
+
+class Grammar:
+    """One answer's grammar state over a model's vocabulary. Not thread-safe: one user at a time."""
+
+    def __init__(self, vocab: Any, n_vocab: int, gbnf: str) -> None:
+        self._sampler = llama_cpp.llama_sampler_init_grammar(vocab, gbnf.encode("utf-8"), b"root")
+        if not self._sampler:
+            raise GrammarUnsupported("llama.cpp could not parse the grammar")
+        self._tokens: list[int] = []  # the answer tokens the state has accepted
+        self._all = np.zeros(n_vocab, dtype=TOKEN_DATA)
+        self._all["id"] = np.arange(n_vocab)
+        self._one = np.zeros(1, dtype=TOKEN_DATA)
+
+    def close(self) -> None:
+        if self._sampler:
+            llama_cpp.llama_sampler_free(self._sampler)
+            self._sampler = None
+
+    def allows(self, answer: Sequence[int], token: int) -> bool:
+        """May `token` follow `answer`? (An end-of-generation token: only where the grammar is complete.)"""
+        self._sync(answer)
+        return self._allows(self._sampler, token)
+
+    def mask(self, answer: Sequence[int], logits: np.ndarray) -> np.ndarray:
+        """`logits` with every token the grammar forbids after `answer` set to -inf. Scans the whole
+        vocabulary (milliseconds): call it off the event loop, and only when a cheaper check failed."""
+        self._sync(answer)
+        self._all["logit"] = logits
+        self._apply(self._sampler, self._all)
+        return self._all["logit"].copy()
+
+    def accepted(self, answer: Sequence[int], tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the grammar accepts after `answer` (the state is kept)."""
+        self._sync(answer)
+        trial = llama_cpp.llama_sampler_clone(self._sampler)
+        try:
+            for count, token in enumerate(tokens):
+                if not self._allows(trial, token):
+                    return count
+                llama_cpp.llama_sampler_accept(trial, token)
+            return len(tokens)
+        finally:
+            llama_cpp.llama_sampler_free(trial)
+
+    def _sync(self, answer: Sequence[int]) -> None:
+        held = len(self._tokens)
+        if list(answer[:held]) != self._tokens:
+            llama_cpp.llama_sampler_reset(self._sampler)
+            self._tokens, held = [], 0
+        for token in answer[held:]:
+            # Accepting a token the grammar forbids aborts the process inside llama.cpp: check first.
+            if not self._allows(self._sampler, token):
+                raise GrammarUnsupported(f"token {token} breaks the grammar")
+            llama_cpp.llama_sampler_accept(self._sampler, token)
+            self._tokens.append(token)
+
+    def _allows(self, sampler: Any, token: int) -> bool:
+        self._one[0] = (token, 0.0, 0.0)
+        self._apply(sampler, self._one)
+        return bool(np.isfinite(self._one[0]["logit"]))
+
+    @staticmethod
+    def _apply(sampler: Any, data: np.ndarray) -> None:
+        array = llama_cpp.llama_token_data_array(
+            data=data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=len(data), selected=-1,
+            sorted=False)
+        llama_cpp.llama_sampler_apply(sampler, ctypes.byref(array))
