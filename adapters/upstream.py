@@ -64,12 +64,17 @@ class UpstreamRejected(UpstreamUnavailable):
     reason = "upstream_rejected"
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Transport errors, time-outs, 408, 429 and 5xx: worth a retry and held against the breaker."""
+def status_of(exc: BaseException) -> int | None:
     status = getattr(exc, "status_code", None)
     if status is None and isinstance(exc, httpx.HTTPStatusError):
         status = exc.response.status_code
-    return not isinstance(status, int) or status in (408, 429) or status >= 500
+    return status if isinstance(status, int) else None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Transport errors, time-outs, 408, 429 and 5xx: worth a retry and held against the breaker."""
+    status = status_of(exc)
+    return status is None or status in (408, 429) or status >= 500
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,10 @@ class Upstream:
             ids = [*handoff.answer_ids[:-1], *self._vocab.text_ids(tail)]
         return dataclasses.replace(handoff, answer=answer, answer_ids=tuple(ids))
 
+    @property
+    def _api_key(self) -> str:
+        return os.environ.get(self.settings.api_key_env, "") if self.settings.api_key_env else "none"
+
     def _neutral(self, text: str) -> str:
         return neutralize(text, self._template.control if self._template else COMMON_CONTROL)
 
@@ -261,8 +270,9 @@ class Upstream:
         return (prompt_tokens - cached_tokens) * fresh + cached_tokens * cached + completion_tokens * output
 
     async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float,
-                            top_p: float, seed: int | None) -> Continuation:
-        """Ask the upstream for up to `max_tokens` tokens continuing the answer.
+                            top_p: float, seed: int | None, extra: dict[str, Any] | None = None) -> Continuation:
+        """Ask the upstream for up to `max_tokens` tokens continuing the answer (`extra`: more
+        sampling parameters, such as penalties).
 
         Transient failures are retried up to `retries` times and count against the circuit
         breaker; raises UpstreamUnavailable when they persist or the breaker is open, and
@@ -275,7 +285,7 @@ class Upstream:
                 raise UpstreamUnavailable(f"circuit breaker open for upstream '{self.name}'") from last
             started = time.monotonic()
             try:
-                response = await self._call(handoff, max_tokens, temperature, top_p, seed)
+                response = await self._call(handoff, max_tokens, temperature, top_p, seed, extra or {})
             except (openai.OpenAIError, httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
                 transient = is_transient(exc)
                 self._breaker.record(not transient, time.monotonic(), trial)
@@ -290,13 +300,72 @@ class Upstream:
             return self._continuation(handoff, response, time.monotonic() - started)
         raise UpstreamUnavailable(f"upstream '{self.name}' failed: {type(last).__name__}: {last}") from last
 
+    @property
+    def chat_model(self) -> str:
+        """litellm model name for whole chat requests: `chat_model`, else `model` with a text
+        completion provider read as its chat one (text-completion-openai/x -> openai/x)."""
+        provider, _, name = self.settings.model.partition("/")
+        if self.settings.chat_model:
+            return self.settings.chat_model
+        return f"openai/{name}" if provider == "text-completion-openai" else self.settings.model
+
+    def reads(self, medium: str) -> bool:
+        """Does this upstream read `medium` (image, audio or file) in messages? (`inputs`, else litellm's map.)"""
+        if self.settings.inputs is not None:
+            return medium in self.settings.inputs
+        check = {"image": litellm.supports_vision, "audio": litellm.supports_audio_input,
+                 "file": litellm.supports_pdf_input}[medium]
+        try:
+            return bool(check(model=self.chat_model))
+        except Exception:  # noqa: BLE001 - litellm raises bare Exception for unmapped models
+            return False
+
+    def estimate_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+        """Billed prompt tokens of a whole chat request, over-estimated (tiktoken, plus 25%) so that a
+        reservation rarely falls short: the upstream's template and tool rendering add their own."""
+        try:
+            counted = litellm.token_counter(model="gpt-4o", messages=messages, tools=tools)
+        except Exception:  # noqa: BLE001 - shapes its counter does not know (new part types): count the JSON
+            counted = litellm.token_counter(model="gpt-4o", text=json.dumps([messages, tools], default=str))
+        return int(counted * 1.25) + 16
+
+    async def chat(self, params: dict[str, Any]) -> Any:
+        """Send one whole chat request (the client's fields in `params`, `stream` included) and return
+        litellm's response, or its chunk stream once the upstream has started answering.
+
+        One attempt (the client retries, as it would with the provider); a transient failure
+        counts against the circuit breaker and raises UpstreamUnavailable, a refusal (4xx) raises
+        UpstreamRejected with the upstream's own message."""
+        trial = self._breaker.acquire(time.monotonic())
+        if trial is None:
+            raise UpstreamUnavailable(f"circuit breaker open for upstream '{self.name}'")
+        s = self.settings
+        try:
+            # allowed_openai_params: litellm would refuse fields it does not map for this provider
+            # (verbosity, prompt_cache_key, ...); the client sent them for the upstream to judge.
+            response = await litellm.acompletion(
+                model=self.chat_model, api_base=s.api_base, api_key=self._api_key, timeout=s.passthrough_timeout_s,
+                num_retries=0, allowed_openai_params=[name for name in params if name != "messages"], **params)
+        except (openai.OpenAIError, httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
+            transient = is_transient(exc)
+            # A 500 answering a client's own request body says little about the server (llama-server
+            # answers 500 to messages it cannot parse): only outages count against the breaker here.
+            self._breaker.record(not transient or status_of(exc) == 500, time.monotonic(), trial)
+            if transient:
+                raise UpstreamUnavailable(f"upstream '{self.name}' failed: {type(exc).__name__}: {exc}") from exc
+            raise UpstreamRejected(upstream_message(exc)) from exc
+        except BaseException:
+            self._breaker.abandon(trial)
+            raise
+        self._breaker.record(True, time.monotonic(), trial)
+        return response
+
     async def _call(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
-                    seed: int | None) -> Any:
+                    seed: int | None, extra: dict[str, Any]) -> Any:
         s = self.settings
         common: dict[str, Any] = dict(
             model=s.model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            api_base=s.api_base, api_key=os.environ.get(s.api_key_env, "") if s.api_key_env else "none",
-            timeout=s.timeout_s, num_retries=0,
+            api_base=s.api_base, api_key=self._api_key, timeout=s.timeout_s, num_retries=0, **extra,
         )
         if seed is not None:
             common["seed"] = seed
@@ -366,6 +435,16 @@ def cache_hints(model: str, messages: list[dict[str, Any]], key: str) -> tuple[l
     if provider in ("openai", "mistral"):
         return messages, {"prompt_cache_key": key}
     return messages, {}
+
+
+def upstream_message(exc: BaseException) -> str:
+    """The upstream's own words from an error (its OpenAI-shaped body when there is one)."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+    return str(getattr(exc, "message", None) or exc)
 
 
 def strip_echo(answer: str, text: str, min_overlap: int = 4) -> str:

@@ -63,6 +63,7 @@ def server_command(gguf: Path, launch: LaunchSettings, port: int, alias: str) ->
         llama_server_binary(), "--model", str(gguf), "--alias", alias, "--host", "127.0.0.1", "--port", str(port),
         "--threads", str(launch.n_threads), "--threads-batch", str(launch.n_threads),
         "--parallel", str(launch.parallel), "--kv-unified", "--kv-unified-per-slot", str(launch.n_ctx),
+        "--jinja",  # the model's own chat template renders tools and tool results (pass-through requests)
         "--no-webui", "--log-disable", *launch.extra_args,
     ]
 

@@ -53,6 +53,9 @@ def _openapi_with_chat_body(app: FastAPI) -> dict:
     body = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.update(body.pop("$defs", {}))
+    runtime = getattr(app.state, "runtime", None)
+    if runtime is not None:  # the served model names: clients and fuzzers see which `model` values exist
+        body["properties"]["model"]["enum"] = sorted(runtime.aliases)
     components["ChatCompletionRequest"] = body
     schema["paths"]["/v1/chat/completions"]["post"]["requestBody"] = {
         "required": True,

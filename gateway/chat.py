@@ -11,11 +11,15 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from adapters.chat_template import TemplateError
+from adapters.grammar import GrammarUnsupported, gbnf_for
 from adapters.local_model import QueueFull
-from adapters.store import StoreUnavailable
+from gateway import passthrough
 from gateway.budget import HandoffGate
 from gateway.decoder import Decoding, DecodeRequest, Piece
-from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, QuotaExceeded, RateLimited
+from gateway.admission import admit_rates, leave
+from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded
+from gateway.logit_rules import LogitRules
+from gateway.passthrough import Blocker, Passing
 from gateway.runtime import Alias, Runtime
 from gateway.schemas import ChatCompletionRequest
 from gateway.settings import RoutingOverride, RoutingSettings
@@ -80,21 +84,39 @@ def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None) 
         raise InvalidRequest(exc.errors()[0]["msg"].removeprefix("Value error, "), param="routing.threshold") from exc
 
 
+def grammar_of(body: ChatCompletionRequest) -> str | None:
+    """The GBNF grammar of the request's response_format (None: free text); raises GrammarUnsupported."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    return gbnf_for(fmt.type, fmt.json_schema.schema_ if fmt.json_schema else None)
+
+
 def wire_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
     # Chat templates of open models know "system" but rarely "developer" (OpenAI's newer name).
     return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
 
 
-async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -> Admitted:
-    """Refuse now (never mid-stream) whatever this request cannot get; else start it."""
+async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -> Admitted | Passing:
+    """Refuse now (never mid-stream) whatever this request cannot get; else start it, on the
+    token-level path or, when the local model cannot serve it, passed through whole."""
     body.check()
     alias = runtime.aliases.get(body.model)
     if alias is None or not tenant.may_use(body.model):
         raise ModelNotFound(f"The model '{body.model}' does not exist or you do not have access to it.", param="model")
+    blocker = passthrough.blocker_of(body, runtime.settings.server.max_tokens_limit)
+    grammar = None
+    if blocker is None:
+        try:
+            grammar = grammar_of(body)
+        except GrammarUnsupported as exc:
+            blocker = Blocker("response_format", f"{exc}, and only the upstream model can follow it")
+    if blocker is not None:
+        return await passthrough.admit(runtime, tenant, alias, body, blocker)
+    if any(int(token) >= alias.local.n_vocab for token in body.logit_bias or ()):
+        raise InvalidRequest(f"logit_bias names a token id outside the local model's vocabulary of "
+                             f"{alias.local.n_vocab}", param="logit_bias")
     max_tokens = body.requested_max_tokens or runtime.settings.server.default_max_tokens
-    if max_tokens > runtime.settings.server.max_tokens_limit:
-        raise InvalidRequest(f"max_tokens is capped at {runtime.settings.server.max_tokens_limit}",
-                             param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     routing = resolve_routing(alias.settings.routing, tenant.settings.routing, body.routing)
     try:
         alias.local.check_admission()
@@ -103,21 +125,15 @@ async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -
     gate = HandoffGate(runtime.ledger, tenant.id, tenant.limits, allowed=tenant.settings.allow_upstream,
                        refusal="budget_exhausted" if tenant.settings.allow_upstream else "upstream_forbidden",
                        cache_scope="shared" if tenant.settings.cache_scope == "shared" else "")
-    decodings = [_decoding(alias, gate, body, routing, max_tokens, choice) for choice in range(body.n)]
+    decodings = [_decoding(alias, gate, body, routing, max_tokens, grammar, choice) for choice in range(body.n)]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     first = decodings[0]
-    await _admit(runtime, tenant, gate, request_id, tokens=len(first.prompt_tokens) + first.limit * body.n)
+    await admit_rates(runtime, tenant, gate, request_id, tokens=len(first.prompt_tokens) + first.limit * body.n)
     return Admitted(request_id, int(time.time()), alias, tenant, body, decodings)
 
 
-async def leave(runtime: Runtime, tenant: Tenant, request_id: str) -> None:
-    """Give back the request's parallel slot (queued while the store is down; it also expires)."""
-    if tenant.settings.rate_limits.max_parallel is not None:
-        await runtime.ledger.leave(tenant.id, request_id)
-
-
 def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, routing: RoutingSettings,
-              max_tokens: int, choice: int) -> Decoding:
+              max_tokens: int, grammar: str | None, choice: int) -> Decoding:
     """The decoding of one choice; choices differ by seed (seed + choice) when they sample."""
     policy = build_policy(routing.policy, routing.threshold, routing.target_fraction, routing.max_upstream_tokens,
                           routing.max_upstream_share, routing.max_upstream_calls, history=alias.entropy_history,
@@ -128,6 +144,7 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, rout
         stop=tuple(body.stop or ()),
         span=routing.span, span_until=routing.span_until, continue_final=body.continue_final_message,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
+        rules=LogitRules.of(body.presence_penalty, body.frequency_penalty, body.logit_bias), grammar=grammar,
     )
     try:
         decoding = Decoding(alias.local, alias.upstream, gate, request)
@@ -138,23 +155,3 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, rout
             f"This model's maximum context length is {alias.local.n_ctx} tokens; the messages use "
             f"{len(decoding.prompt_tokens)}.", param="messages")
     return decoding
-
-
-async def _admit(runtime: Runtime, tenant: Tenant, gate: HandoffGate, request_id: str, tokens: int) -> None:
-    """Rate limits and budget at admission. A store fault never fails the request: it is admitted
-    unmetered, and each hand-off asks the store again (local steps meanwhile)."""
-    store, now = runtime.ledger.store, runtime.ledger.clock()
-    try:
-        wait = await store.admit(tenant.id, request_id, tenant.rate_limits, tokens, now)
-        if wait is not None:
-            raise RateLimited("rate limit reached for this tenant", wait)
-        await store.count_request(tenant.id, now)
-        if gate.allowed and not gate.limits.unlimited:
-            gate.headroom = await store.headroom(tenant.id, gate.limits, now)
-    except StoreUnavailable:
-        return
-    if gate.headroom is not None and gate.headroom.exhausted:
-        if tenant.settings.on_budget_exhausted == "refuse":
-            await leave(runtime, tenant, request_id)
-            raise QuotaExceeded("You exceeded your upstream budget for this period.")
-        gate.allowed, gate.refusal = False, "budget_exhausted"

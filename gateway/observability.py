@@ -68,6 +68,9 @@ class Metrics:
         self.degraded = Counter("gateway_degraded_requests",
                                 "Requests that fell back to local decoding, by usage.routing.degraded reason.",
                                 ["alias", "reason"], registry=r)
+        self.passthrough = Counter("gateway_passthrough_requests",
+                                   "Requests passed whole to the upstream, by the field that sent them there.",
+                                   ["alias", "reason"], registry=r)
         self._upstream_metrics(r)
         r.register(_QueueDepth(self))
         self.runtime: Any = None  # set by `instrument`; read by the queue-depth collector
@@ -292,6 +295,25 @@ def _count_answer(record: RequestRecord, admitted: Any) -> None:
         metrics.degraded.labels(alias, reason).inc()
     record.summary = {"finish_reason": admitted.decodings[0].finish_reason, "tokens": counts,
                       "upstream_calls": sum(d.usage.upstream_calls for d in admitted.decodings), "degraded": degraded}
+
+
+def count_passthrough(passing: Any) -> None:
+    """Count a request passed through whole, once its upstream call is settled."""
+    record = _record.get()
+    if record is None:
+        return
+    metrics, alias, routing = record.metrics, passing.body.model, passing.routing
+    record.alias, record.tenant = alias, passing.tenant.id
+    metrics.passthrough.labels(alias, passing.blocker.param).inc()
+    if routing:
+        metrics.upstream_calls.labels(alias).inc()
+        metrics.tokens.labels(alias, "upstream").inc(routing["upstream_completion_tokens"])
+        metrics.upstream_prompt_tokens.labels(alias).inc(routing["upstream_prompt_tokens"])
+        metrics.upstream_completion_tokens.labels(alias).inc(routing["upstream_completion_tokens"])
+        metrics.upstream_cached_tokens.labels(alias).inc(routing["upstream_cached_tokens"])
+        metrics.upstream_cost.labels(alias).inc(routing["upstream_cost_usd"])
+    record.summary = {"mode": "passthrough", "passthrough_reason": passing.blocker.param,
+                      "tokens": {"upstream": routing.get("upstream_completion_tokens", 0)}}
 
 
 class MeteredUpstream:

@@ -20,6 +20,7 @@ def usage_of(admitted: Admitted) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "routing": {
+            "mode": "token_level",
             "policy": usages[0].policy,
             "local_tokens": counts["local"],
             "upstream_tokens": counts["upstream"],

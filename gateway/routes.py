@@ -14,6 +14,7 @@ from starlette.background import BackgroundTask
 
 from gateway import observability
 from gateway.chat import Admitted, admit
+from gateway.passthrough import Passing
 from gateway.decoder import Piece
 from gateway.errors import (
     ClientClosedRequest, Forbidden, GatewayError, InvalidRequest, Unauthenticated, param_of, sse_error_event,
@@ -76,6 +77,8 @@ async def chat_completions(request: Request):
     body = await parse_chat_request(request)
     observability.note_model(body.model)
     admitted = await admit(runtime, tenant, body)
+    if isinstance(admitted, Passing):
+        return await _pass_through(request, runtime, admitted)
     if body.stream:
         # On SIGTERM, sse-starlette would cut streams at once; the grace period lets them finish.
         # The background task frees the slot even when the client left before the stream started.
@@ -87,6 +90,41 @@ async def chat_completions(request: Request):
     finally:
         await asyncio.shield(admitted.leave(runtime))
     return JSONResponse(completion_body(admitted, pieces), headers={"x-routing-summary": routing_header(admitted)})
+
+
+async def _pass_through(request: Request, runtime: Runtime, passing: Passing):
+    """A request the local model cannot serve, answered whole by the upstream."""
+    headers = {"x-routing-summary": passing.header()}
+    if passing.body.stream:
+        try:
+            chunks = await passing.open_stream()
+        except BaseException:
+            await asyncio.shield(passing.leave(runtime))
+            raise
+        return EventSourceResponse(_passed_events(runtime, passing, chunks), sep="\n", ping=15, headers=headers,
+                                   shutdown_grace_period=runtime.settings.server.drain_seconds,
+                                   background=BackgroundTask(passing.leave, runtime))
+    try:
+        body = await _unless_client_leaves(request, passing.complete())
+    finally:
+        await asyncio.shield(passing.leave(runtime))
+        observability.count_passthrough(passing)
+    return JSONResponse(body, headers=headers)
+
+
+async def _passed_events(runtime: Runtime, passing: Passing, chunks):
+    try:
+        async for body in chunks:
+            yield _event(body)
+        yield {"data": "[DONE]"}
+    except GatewayError as error:
+        yield sse_error_event(error)
+    except Exception:  # noqa: BLE001 - the stream has started: report, don't crash
+        log.exception("error while streaming %s from the upstream", passing.id)
+        yield sse_error_event(GatewayError("the upstream's stream failed; the gateway logged the details"))
+    finally:
+        await asyncio.shield(passing.leave(runtime))
+        observability.count_passthrough(passing)
 
 
 async def _collect(admitted: Admitted) -> list[list[Piece]]:

@@ -1,10 +1,14 @@
-"""OpenAI wire shapes (requests and responses) plus the gateway's documented extensions."""
+"""OpenAI wire shapes (requests and responses) plus the gateway's documented extensions.
+
+The request model accepts every field of OpenAI's chat request. Which of them the token-level
+path serves and which send the request whole to the upstream is decided in gateway.passthrough.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from gateway.errors import InvalidRequest
 from gateway.settings import RoutingOverride  # the `routing` extension: the same shape as a tenant's override
@@ -14,33 +18,124 @@ class Wire(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class TextPart(Wire):
+class Open(BaseModel):
+    """Objects inside a request (messages, parts, formats): OpenAI's schema lets them carry more keys
+    (`prompt_cache_breakpoint`, providers' own such as `cache_control`). Kept when a request passes
+    through; no effect locally. Unknown keys at the top level are refused, as OpenAI refuses them."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(Open):
     type: Literal["text"]
     text: str
 
 
-class Message(Wire):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+class MediaPart(Open):
+    """Image, audio and file parts (and an assistant's refusal part): only an upstream reads them."""
+
+    type: Literal["image_url", "input_audio", "file", "refusal"]
+
+
+class FunctionCall(Open):
+    name: str
+    arguments: str
+
+
+class ToolCall(Open):
+    id: str
+    type: Literal["function", "custom"]
+    function: FunctionCall | None = None
+    custom: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _has_its_call(self) -> "ToolCall":
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a tool call of type {self.type} needs `{self.type}`")
+        return self
+
+
+class MessageBase(Open):
+    content: str | list[TextPart | MediaPart] | None  # required (null allowed only where OpenAI allows it)
     name: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
-class StreamOptions(Wire):
-    include_usage: bool = False
+class SystemMessage(MessageBase):
+    role: Literal["system"]
+    content: str | list[TextPart]
+
+
+class DeveloperMessage(MessageBase):
+    role: Literal["developer"]
+    content: str | list[TextPart]
+
+
+class UserMessage(MessageBase):
+    role: Literal["user"]
+    content: str | list[TextPart | MediaPart]
+
+
+class AssistantMessage(MessageBase):
+    role: Literal["assistant"]
+    content: str | list[TextPart | MediaPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = None
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+
+
+class ToolMessage(MessageBase):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str
+
+
+class FunctionMessage(MessageBase):
+    role: Literal["function"]
+
+
+ROLES = {"system": SystemMessage, "developer": DeveloperMessage, "user": UserMessage,
+         "assistant": AssistantMessage, "tool": ToolMessage, "function": FunctionMessage}
+
+
+def _role_of(message: Any) -> str | None:
+    role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
+    return ROLES[role].__name__ if isinstance(role, str) and role in ROLES else None
+
+
+# One shape per role, as OpenAI's schema has it (the tag names are class names, which error
+# locations skip when they name the offending field).
+Message = Annotated[
+    Union[tuple(Annotated[cls, Tag(cls.__name__)] for cls in ROLES.values())],  # noqa: UP007 - built from ROLES
+    Discriminator(_role_of, custom_error_type="invalid_role",
+                  custom_error_message=f"role must be one of {', '.join(ROLES)}"),
+]
+
+
+class StreamOptions(Open):
+    include_usage: bool | None = False
     include_obfuscation: bool | None = None  # the OpenAI SDK may send it; nothing to obfuscate here
 
 
-class ResponseFormat(Wire):
-    type: Literal["text"]
+class JsonSchemaFormat(Open):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "logit_bias",
-               "prediction", "parallel_tool_calls", "web_search_options", "reasoning_effort")
+class ResponseFormat(Open):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "stream", "logprobs", "frequency_penalty", "presence_penalty")
 
 
 class ChatCompletionRequest(Wire):
@@ -48,40 +143,54 @@ class ChatCompletionRequest(Wire):
     messages: list[Message] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float | None = Field(1.0, ge=0, le=2)
+    top_p: float | None = Field(1.0, ge=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    n: int = Field(1, ge=1, le=8, description="Choices: n sequences decoded together in the local model's batch.")
-    user: str | None = None
+    n: int | None = Field(1, ge=1, le=8, description="Choices: n sequences decoded together in the local model's batch.")
     response_format: ResponseFormat | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    modalities: list[Literal["text"]] | None = None
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (in the local model's vocabulary) -> bias in [-100, 100], added to the logits.")
+    modalities: list[Literal["text", "audio"]] | None = None
+    # Annotations: accepted, forwarded when the request passes through, else without effect here.
+    user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # Annotations only: accepted so that clients (and other gateways' cache hints) are not refused.
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: dict[str, Any] | None = None
+    # Only an upstream can do these: the request passes through (gateway.passthrough).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    # The gateway's extensions.
     routing: RoutingOverride | None = None
     continue_final_message: bool = False
     add_generation_prompt: bool = True
-    # Known OpenAI fields the gateway cannot honour: refused by name instead of ignored.
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    logit_bias: Any = None
-    prediction: Any = None
-    parallel_tool_calls: Any = None
-    web_search_options: Any = None
-    reasoning_effort: Any = None
+
+    @model_validator(mode="after")
+    def _null_means_default(self) -> "ChatCompletionRequest":
+        # OpenAI's schema lets clients send null for these; null means the documented default.
+        for name in NULL_MEANS_DEFAULT:
+            if getattr(self, name) is None:
+                setattr(self, name, type(self).model_fields[name].default)
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -91,16 +200,22 @@ class ChatCompletionRequest(Wire):
             raise ValueError("at most 4 stop sequences")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, not {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values are between -100 and 100, not {bias}")
+        return value
+
     def check(self) -> None:
-        """Refuse what the schema alone cannot: unsupported features and inconsistent fields."""
-        for name in UNSUPPORTED:
-            if getattr(self, name) is not None:
-                raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                raise InvalidRequest(f"'{name}' is not supported (only 0)", param=name)
+        """Refuse what the schema alone cannot: inconsistent fields."""
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
+        if self.response_format and self.response_format.type == "json_schema" and not self.response_format.json_schema:
+            raise InvalidRequest("response_format of type json_schema needs json_schema", param="response_format")
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise InvalidRequest("continue_final_message requires add_generation_prompt: false",

@@ -80,6 +80,13 @@ class UpstreamSettings(Strict):
         "llama-cpp-python servers, whose default penalty of 1.1 would make temperature 0 non-greedy.",
     )
     timeout_s: float = Field(20.0, gt=0, description="Time-out of one upstream call.")
+    chat_model: str | None = Field(
+        None, description="litellm model name for requests passed through whole (tools, images, ...); default: "
+        "`model`, with text-completion-openai/ read as openai/ (the same server's chat endpoint).")
+    inputs: list[Literal["image", "audio", "file"]] | None = Field(
+        None, description="Media the upstream reads in messages (image_url, input_audio, file parts); default: what "
+        "litellm's model map says of the chat model, else none (such parts are then refused by name).")
+    passthrough_timeout_s: float = Field(120.0, gt=0, description="Time-out of a request passed through whole.")
     retries: int = Field(1, ge=0, le=5, description="Retries of a failed upstream call.")
     breaker_failures: int = Field(3, ge=1, description="Consecutive failures that open the circuit breaker.")
     breaker_cooldown_s: float = Field(30.0, ge=0, description="How long an open breaker skips the upstream.")
@@ -156,9 +163,15 @@ class RoutingOverride(Strict):
     span_until: SpanRule | None = Field(None, description="Where a hand-off's text ends: tokens, word, line, sentence.")
 
 
+Unsupported = Literal["upstream", "refuse"]
+UNSUPPORTED_HELP = ("What happens to a request the local model cannot serve (tools, images, ...): upstream: it passes "
+                    "through whole to the alias's upstream; refuse: 400 naming the field.")
+
+
 class AliasSettings(Strict):
     local: str = Field(..., description="Key of models.local that decodes every token.")
     upstream: str | None = Field(None, description="Key of upstreams that takes uncertain steps (none: local only).")
+    unsupported: Unsupported = Field("upstream", description=UNSUPPORTED_HELP)
     routing: RoutingSettings = Field(default_factory=RoutingSettings, description="Default routing of this alias.")
 
 
@@ -210,6 +223,7 @@ class TenantSettings(Strict):
     rate_limits: RateLimitSettings = Field(default_factory=RateLimitSettings, description="Rate limits.")
     routing: RoutingOverride | None = Field(None, description="Routing override applied to every request.")
     allow_upstream: bool = Field(True, description="False: data never leaves the box.")
+    unsupported: Unsupported | None = Field(None, description=UNSUPPORTED_HELP + " Overrides the alias's.")
     cache_scope: Literal["tenant", "shared"] = Field(
         "tenant", description="Continuation cache: tenant (only this tenant's requests reuse its upstream text) or "
         "shared (reused across every tenant that also says shared: they can tell what the others asked).")

@@ -68,11 +68,12 @@ def stop(process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def upstream_server(gguf: Path, alias: str, server: str = "llama-cpp-python") -> Iterator[str]:
+def upstream_server(gguf: Path, alias: str, server: str = "llama-cpp-python",
+                    extra_args: tuple[str, ...] = ()) -> Iterator[str]:
     """A real OpenAI-compatible server process on loopback (llama-cpp-python's or llama.cpp's
     llama-server, started as the gateway starts them); yields its /v1 base URL."""
     port = free_port()
-    launch = LaunchSettings(gguf=str(gguf), server=server, n_threads=1, n_ctx=2048)
+    launch = LaunchSettings(gguf=str(gguf), server=server, n_threads=1, n_ctx=2048, extra_args=list(extra_args))
     process = subprocess.Popen(server_command(gguf, launch, port, alias),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -85,6 +86,14 @@ def upstream_server(gguf: Path, alias: str, server: str = "llama-cpp-python") ->
 @pytest.fixture(scope="session")
 def smol_upstream(smol_path: Path) -> Iterator[str]:
     with upstream_server(smol_path, "smol-upstream") as base:
+        yield base
+
+
+@pytest.fixture(scope="session")
+def smol_tools_upstream(smol_path: Path) -> Iterator[str]:
+    """llama-cpp-python's server with its grammar-driven tool calling (a named `tool_choice` always
+    yields a call that fits the function's schema, even from a 135M model)."""
+    with upstream_server(smol_path, "smol-tools", extra_args=("--chat_format", "chatml-function-calling")) as base:
         yield base
 
 

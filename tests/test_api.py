@@ -98,11 +98,10 @@ def test_logprobs_from_the_local_model(client):
         ({"routing": {"policy": "entropy", "threshold": "high"}}, "routing.threshold"),
         ({"routing": {"policy": "top1"}}, "routing.threshold"),
         ({"routing": {"colour": "red"}}, "routing.colour"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"n": 9}, "n"),
-        ({"max_tokens": 100000}, "max_tokens"),
         ({"temperature": 3}, "temperature"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"frobnicate": True}, "frobnicate"),
     ],
 )

@@ -1,0 +1,37 @@
+"""What every admitted request goes through, token-level or passed through: rate limits, the
+budget's headroom, and the parallel slot it gives back when it ends."""
+
+from __future__ import annotations
+
+from adapters.store import StoreUnavailable
+from gateway.budget import HandoffGate
+from gateway.errors import QuotaExceeded, RateLimited
+from gateway.runtime import Runtime
+from gateway.tenants import Tenant
+
+
+async def admit_rates(runtime: Runtime, tenant: Tenant, gate: HandoffGate, request_id: str, tokens: int) -> None:
+    """Rate limits and budget at admission. A store fault never fails the request: it is admitted
+    unmetered, and each upstream call asks the store again. An exhausted budget refuses (429) or
+    closes the gate, as the tenant's `on_budget_exhausted` says."""
+    store, now = runtime.ledger.store, runtime.ledger.clock()
+    try:
+        wait = await store.admit(tenant.id, request_id, tenant.rate_limits, tokens, now)
+        if wait is not None:
+            raise RateLimited("rate limit reached for this tenant", wait)
+        await store.count_request(tenant.id, now)
+        if gate.allowed and not gate.limits.unlimited:
+            gate.headroom = await store.headroom(tenant.id, gate.limits, now)
+    except StoreUnavailable:
+        return
+    if gate.headroom is not None and gate.headroom.exhausted:
+        if tenant.settings.on_budget_exhausted == "refuse":
+            await leave(runtime, tenant, request_id)
+            raise QuotaExceeded("You exceeded your upstream budget for this period.")
+        gate.allowed, gate.refusal = False, "budget_exhausted"
+
+
+async def leave(runtime: Runtime, tenant: Tenant, request_id: str) -> None:
+    """Give back the request's parallel slot (queued while the store is down; it also expires)."""
+    if tenant.settings.rate_limits.max_parallel is not None:
+        await runtime.ledger.leave(tenant.id, request_id)

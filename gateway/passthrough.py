@@ -1,0 +1,239 @@
+"""Requests the token-level path cannot serve go whole to the alias's upstream (query-level routing).
+
+`blocker_of` names the first field that keeps a request off the token-level path. `admit` then
+either refuses the request (a 400 that names the field and says why) or holds one budget
+reservation for its prompt plus its answer tokens, for one upstream chat call that is settled to
+what the upstream billed. Answers keep the upstream's shapes (tool calls, structured output,
+streamed deltas) under the gateway's id and model name, with `usage.routing.mode: "passthrough"`
+and the field that sent them there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from adapters.store import Billed, Reservation
+from adapters.upstream import Upstream, UpstreamRejected, UpstreamUnavailable
+from adapters.upstream_usage import read_usage
+from gateway.admission import admit_rates, leave
+from gateway.budget import HandoffGate
+from gateway.errors import GatewayError, InvalidRequest, Overloaded, QuotaExceeded
+from gateway.runtime import Alias, Runtime
+from gateway.schemas import ChatCompletionRequest, MediaPart
+from gateway.tenants import Tenant
+
+log = logging.getLogger("gateway.passthrough")
+
+RESERVATION_MARGIN_S = 30.0
+UPSTREAM_ONLY = (  # request fields only an upstream can honour, and what each asks for
+    ("tools", "tool calling"), ("tool_choice", "tool calling"), ("functions", "function calling"),
+    ("function_call", "function calling"), ("audio", "audio output"), ("web_search_options", "web search"),
+    ("moderation", "moderation"),
+)
+GATEWAY_FIELDS = {"model", "routing", "continue_final_message", "add_generation_prompt", "stream", "stream_options"}
+
+
+MEDIA = {"image_url": "image", "input_audio": "audio", "file": "file"}
+
+
+@dataclass(frozen=True)
+class Blocker:
+    """The field that keeps a request off the token-level path, why, and the medium the upstream
+    must read (image, audio, file) if that is what it is."""
+
+    param: str
+    why: str
+    medium: str | None = None
+
+
+def blocker_of(body: ChatCompletionRequest, max_tokens_limit: int) -> Blocker | None:
+    """The first field of `body` the local model cannot serve, or None."""
+    for name, needs in UPSTREAM_ONLY:
+        if getattr(body, name) is not None:
+            return Blocker(name, f"{needs} needs the upstream model")
+    if body.modalities and "audio" in body.modalities:
+        return Blocker("modalities", "audio output needs the upstream model")
+    for i, message in enumerate(body.messages):
+        if message.role in ("tool", "function"):
+            return Blocker(f"messages[{i}].role", "tool results need the upstream model")
+        for name in ("tool_calls", "function_call", "audio"):  # an assistant's; extra keys elsewhere
+            if message.role == "assistant" and getattr(message, name):
+                return Blocker(f"messages[{i}].{name}", f"a message with {name} needs the upstream model")
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if isinstance(part, MediaPart) and part.type != "refusal":
+                return Blocker(f"messages[{i}].content[{j}]", f"{part.type} parts need the upstream model",
+                               MEDIA[part.type])
+    requested = body.requested_max_tokens
+    if requested is not None and requested > max_tokens_limit:
+        name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        return Blocker(name, f"more than the local model's limit of {max_tokens_limit} tokens needs the upstream model")
+    return None
+
+
+@dataclass
+class Passing:
+    """A request admitted for pass-through, holding its budget reservation until it is settled."""
+
+    id: str
+    created: int
+    tenant: Tenant
+    body: ChatCompletionRequest
+    blocker: Blocker
+    upstream: Upstream
+    gate: HandoffGate
+    reservation: Reservation
+    max_tokens: int
+    routing: dict[str, Any] = field(default_factory=dict)  # usage.routing, once the call is settled
+    left: bool = False
+
+    def params(self, stream: bool) -> dict[str, Any]:
+        """The client's own fields for the upstream (the gateway's extensions left out)."""
+        params = self.body.model_dump(exclude_unset=True, by_alias=True, exclude=GATEWAY_FIELDS)
+        if self.body.max_completion_tokens is None:
+            params["max_tokens"] = self.max_tokens
+        if stream:
+            params.update(stream=True, stream_options={"include_usage": True})
+        return params
+
+    async def complete(self) -> dict[str, Any]:
+        """The answer as an OpenAI chat.completion body; settles the reservation."""
+        response = await self._call(stream=False)
+        body = response.model_dump()
+        await self._settle(response, _answer_text(body))
+        return self._rename(body, "chat.completion") | {"usage": self.usage()}
+
+    async def open_stream(self) -> AsyncIterator[dict[str, Any]]:
+        """Start the upstream's stream (so that a refusal is still an HTTP error) and return the
+        answer as chat.completion.chunk bodies; see `_chunks`."""
+        return self._chunks(await self._call(stream=True))
+
+    async def _chunks(self, stream: Any) -> AsyncIterator[dict[str, Any]]:
+        """The upstream's chunks renamed (the usage chunk only if the client asked for it); settles
+        the reservation when the stream ends, however it ends."""
+        usage_seen, text = None, []
+        try:
+            async for chunk in stream:
+                body = chunk.model_dump()
+                if body.get("usage"):
+                    usage_seen = chunk
+                for choice in body.get("choices") or ():
+                    text.append((choice.get("delta") or {}).get("content") or "")
+                body.pop("usage", None)
+                if body.get("choices"):
+                    yield self._rename(body, "chat.completion.chunk")
+        finally:  # also when the client left or the stream broke: bill what was written
+            await asyncio.shield(self._settle(usage_seen, "".join(text)))
+        options = self.body.stream_options
+        if options is not None and options.include_usage:
+            yield self._rename({"choices": [], "usage": self.usage()}, "chat.completion.chunk")
+
+    async def leave(self, runtime: Runtime) -> None:
+        """Give back the request's parallel slot, once."""
+        if not self.left:
+            self.left = True
+            await leave(runtime, self.tenant, self.id)
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object, as billed by the upstream (known once the call is settled)."""
+        prompt, completion = self.routing["upstream_prompt_tokens"], self.routing["upstream_completion_tokens"]
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "routing": self.routing}
+
+    def header(self) -> str:
+        return f"mode=passthrough; reason={self.blocker.param}; calls=1"
+
+    async def _call(self, stream: bool) -> Any:
+        try:
+            return await self.upstream.chat(self.params(stream))
+        except UpstreamRejected as exc:
+            await asyncio.shield(self.gate.release(self.reservation))
+            raise InvalidRequest(f"the upstream refused the request: {exc}", param=self.blocker.param) from exc
+        except UpstreamUnavailable as exc:
+            await asyncio.shield(self.gate.release(self.reservation))
+            error = GatewayError(f"the upstream model is unavailable ({exc}); retry shortly")
+            error.status, error.code = 502, "upstream_unavailable"
+            raise error from exc
+        except BaseException:
+            await asyncio.shield(self.gate.release(self.reservation))
+            raise
+
+    async def _settle(self, response: Any, text: str) -> None:
+        """Bill what the upstream reported, else an estimate of what it wrote; once."""
+        if self.routing:
+            return
+        usage = read_usage(response)
+        prompt = usage.prompt_tokens or self.upstream.estimate_chat_tokens(self.params(False)["messages"],
+                                                                                      self.body.tools)
+        completion = usage.completion_tokens
+        if completion is None:
+            completion = self.upstream.estimate_chat_tokens([{"role": "assistant", "content": text}], None)
+        cached = usage.cached_tokens
+        cost = self.upstream.estimate_cost(prompt, completion, cached)
+        self.routing = {
+            "mode": "passthrough", "passthrough_reason": self.blocker.param, "local_tokens": 0,
+            "upstream_tokens": completion, "upstream_calls": 1, "upstream_prompt_tokens": prompt,
+            "upstream_completion_tokens": completion, "upstream_cached_tokens": cached,
+            "upstream_cost_usd": round(cost, 8), "degraded": [],
+        }
+        await self.gate.settle(self.reservation, Billed(prompt, completion, cost, cached, 0.0))
+
+    def _rename(self, body: dict[str, Any], kind: str) -> dict[str, Any]:
+        """The upstream's body under this request's id, time and model name."""
+        return {**body, "id": self.id, "object": kind, "created": self.created, "model": self.body.model}
+
+
+def _answer_text(body: dict[str, Any]) -> str:
+    return "".join(((c.get("message") or {}).get("content") or "") for c in body.get("choices") or ())
+
+
+async def admit(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatCompletionRequest,
+                blocker: Blocker) -> Passing:
+    """Refuse `body` (400 naming `blocker.param`) or reserve budget for passing it through whole."""
+    refusal = _refusal(alias, tenant)
+    if refusal:
+        raise InvalidRequest(f"'{blocker.param}': {blocker.why}; {refusal}", param=blocker.param)
+    upstream = alias.upstream
+    if blocker.medium and not upstream.reads(blocker.medium):
+        raise InvalidRequest(f"'{blocker.param}': {blocker.why}, and this model's upstream does not read "
+                             f"{blocker.medium} input", param=blocker.param)
+    if not upstream.available:
+        raise Overloaded(f"'{blocker.param}' needs the upstream model, which is unavailable; retry shortly",
+                         retry_after_s=upstream.settings.breaker_cooldown_s)
+    max_tokens = body.requested_max_tokens or runtime.settings.server.max_tokens_limit
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    tokens = upstream.estimate_chat_tokens(messages, body.tools) + max_tokens * body.n
+    gate = HandoffGate(runtime.ledger, tenant.id, tenant.limits, allowed=True)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    await admit_rates(runtime, tenant, gate, request_id, tokens)
+    reservation = None
+    if gate.allowed:
+        reservation = await gate.reserve(tokens, upstream.estimate_cost(tokens - max_tokens * body.n, max_tokens * body.n),
+                                         ttl_s=upstream.settings.passthrough_timeout_s + RESERVATION_MARGIN_S)
+    if reservation is None:
+        await leave(runtime, tenant, request_id)
+        if gate.refusal == "store_unavailable":
+            error = GatewayError("the usage ledger is unreachable, so upstream spending cannot be checked; retry shortly")
+            error.status, error.code = 503, "store_unavailable"
+            raise error
+        raise QuotaExceeded(f"'{blocker.param}' needs the upstream model, and this tenant's upstream budget "
+                            "does not cover the request")
+    return Passing(request_id, int(time.time()), tenant, body, blocker, upstream, gate, reservation,
+                   max_tokens)
+
+
+def _refusal(alias: Alias, tenant: Tenant) -> str | None:
+    """Why this alias and tenant may not pass a request through, or None."""
+    unsupported = tenant.settings.unsupported or alias.settings.unsupported
+    if unsupported == "refuse":
+        return "this model is configured to refuse such requests rather than pass them to its upstream"
+    if alias.upstream is None:
+        return "this model has no upstream model"
+    if not tenant.settings.allow_upstream:
+        return "this API key may not send requests to the upstream model"
+    return None
