@@ -19,6 +19,10 @@ import llama_cpp
 import numpy as np
 from llama_cpp import llama_grammar
 
+# llama-cpp-python's converter lets a JSON string hold raw control characters (a newline), which JSON
+# forbids; llama.cpp's own converter and JSON_GBNF exclude them, as this rule does.
+LOOSE_CHAR = r'char ::= [^"\\] |'
+JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
 
 
@@ -31,9 +35,10 @@ def gbnf_for(kind: str, schema: dict[str, Any] | None = None) -> str:
     if kind == "json_object":
         return llama_grammar.JSON_GBNF
     try:
-        return llama_grammar.json_schema_to_gbnf(json.dumps(schema or {}))
+        gbnf = llama_grammar.json_schema_to_gbnf(json.dumps(schema or {}))
     except Exception as exc:  # noqa: BLE001 - the converter raises bare errors of several kinds
         raise GrammarUnsupported(f"the JSON schema cannot be turned into a grammar: {exc}") from exc
+    return gbnf.replace(LOOSE_CHAR, JSON_CHAR)
 
 
 class Grammar:

@@ -30,6 +30,7 @@ IFEval: the `if-verifiable` checkers (strict: the answer as is); an item passes 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -37,6 +38,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any
+
+import jsonschema
 
 from eval.datasets import Item
 
@@ -192,7 +195,22 @@ def score_ifeval(item: Item, text: str) -> Scored:
     return Scored(sum(checked.values()), passed, rule)
 
 
-SCORERS = {"csqa": score_csqa, "gsm8k": score_gsm8k, "humaneval": score_humaneval, "ifeval": score_ifeval}
+def score_gsm8k_json(item: Item, text: str) -> Scored:
+    """The `answer` of a JSON reply; rule says how far the reply got: invalid_json, schema_invalid, json."""
+    try:
+        reply = json.loads(text)
+    except ValueError:
+        return Scored(None, False, "invalid_json")
+    try:
+        jsonschema.validate(reply, item.meta["schema"])
+    except jsonschema.ValidationError:
+        return Scored(None, False, "schema_invalid")
+    gold = parse_number(item.gold)
+    return Scored(reply["answer"], gold is not None and abs(reply["answer"] - gold) < 1e-6, "json")
+
+
+SCORERS = {"csqa": score_csqa, "gsm8k": score_gsm8k, "gsm8k_json": score_gsm8k_json, "humaneval": score_humaneval,
+           "ifeval": score_ifeval}
 
 
 def score(dataset: str, item: Item, text: str) -> Scored:

@@ -18,6 +18,7 @@ DATA_DIR = Path(__file__).resolve().parent / "data"  # copies of ../shared/data,
 DEFAULT_FILES = {
     "csqa": "commonsenseqa_dev300.jsonl",
     "gsm8k": "gsm8k_dev300.jsonl",
+    "gsm8k_json": "gsm8k_dev300.jsonl",  # the same questions, answered as JSON under a schema
     "ifeval": "ifeval_dev200.jsonl",
 }
 
@@ -28,12 +29,22 @@ GSM8K_INSTRUCTION = (
     "Solve the problem step by step. Then write the final answer as a number "
     "on the last line, in the form 'Answer: <number>'."
 )
+GSM8K_JSON_INSTRUCTION = (
+    "Solve the problem. Reply with JSON only: {\"reasoning\": \"<short step-by-step reasoning>\", "
+    "\"answer\": <the final answer as a number>}."
+)
+# Structured output (response_format json_schema, strict): a short reasoning, then the number.
+GSM8K_JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"reasoning": {"type": "string", "maxLength": 600}, "answer": {"type": "number"}},
+    "required": ["reasoning", "answer"], "additionalProperties": False,
+}
 HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with the complete function "
     "in one ```python code block.\n\n"
 )
 
-MAX_TOKENS = {"csqa": 32, "gsm8k": 256, "humaneval": 384, "ifeval": 384}
+MAX_TOKENS = {"csqa": 32, "gsm8k": 256, "gsm8k_json": 256, "humaneval": 384, "ifeval": 384}
 
 
 @dataclass(frozen=True)
@@ -56,8 +67,8 @@ def parse_rows(spec: str | None) -> slice:
 
 
 def load_items(dataset: str, path: Path | None = None, rows: str | None = None) -> list[Item]:
-    """The items of `dataset` ('csqa', 'gsm8k', 'humaneval', 'ifeval'), rows sliced by `rows`."""
-    loaders = {"csqa": _csqa, "gsm8k": _gsm8k, "ifeval": _ifeval, "humaneval": _humaneval}
+    """The items of `dataset` ('csqa', 'gsm8k', 'gsm8k_json', 'humaneval', 'ifeval'), rows sliced by `rows`."""
+    loaders = {"csqa": _csqa, "gsm8k": _gsm8k, "gsm8k_json": _gsm8k_json, "ifeval": _ifeval, "humaneval": _humaneval}
     if dataset not in loaders:
         raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(loaders)}")
     if dataset == "humaneval":
@@ -88,6 +99,12 @@ def _csqa(index: int, row: dict[str, Any]) -> Item:
 def _gsm8k(index: int, row: dict[str, Any]) -> Item:
     gold = row["answer"].rsplit("####", 1)[-1].strip().replace(",", "")
     return Item(str(row.get("id", f"gsm8k-{index}")), _user(f"{row['question']}\n{GSM8K_INSTRUCTION}"), gold)
+
+
+def _gsm8k_json(index: int, row: dict[str, Any]) -> Item:
+    item = _gsm8k(index, row)
+    return replace(item, messages=_user(f"{row['question']}\n{GSM8K_JSON_INSTRUCTION}"),
+                   meta={"schema": GSM8K_JSON_SCHEMA})
 
 
 def _ifeval(index: int, row: dict[str, Any]) -> Item:

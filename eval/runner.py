@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from adapters.chat_template import TemplateError
+from adapters.grammar import gbnf_for
 from adapters.local_model import ContextOverflow
 from adapters.store import Limits, MemoryStore
 from eval.answers import score
@@ -133,8 +134,9 @@ async def evaluate(models: Models, plan: RunPlan, spec: ConfigSpec, item: Item,
         policy: Policy = oracle
     else:
         policy = spec.policy_object(models.router)
+    grammar = gbnf_for("json_schema", item.meta["schema"]) if "schema" in item.meta else None
     request = DecodeRequest(messages=item.messages, max_tokens=plan.max_tokens, policy=policy,
-                            span=spec.span(plan.max_tokens), span_until=spec.until)
+                            span=spec.span(plan.max_tokens), span_until=spec.until, grammar=grammar)
     record: dict[str, Any] = {"id": item.id, "row": item.row, "config": spec.name, "dataset": plan.dataset,
                               "gold": item.gold}
     if spec.uses_upstream and plan.parallel == 1:  # with items in flight together, their sequences stay

@@ -26,6 +26,23 @@ def upstream_written(record: dict[str, Any]) -> int:
     return record["upstream_tokens"] + record["cache_tokens"]
 
 
+JSON_RULES = ("json", "schema_invalid", "invalid_json")  # structured-output scoring (eval.answers)
+
+
+def json_rates(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """For structured-output runs: how many replies parse, and how many fit the schema, of all
+    replies and of those that finished (were not cut by max_tokens)."""
+    if not any(r["rule"] in JSON_RULES for r in records):
+        return {}
+    finished = [r for r in records if r["finish_reason"] == "stop"]
+    return {
+        "valid_json": sum(r["rule"] != "invalid_json" for r in records) / len(records),
+        "schema_valid": sum(r["rule"] == "json" for r in records) / len(records),
+        "finished": len(finished),
+        "schema_valid_finished": sum(r["rule"] == "json" for r in finished) / len(finished) if finished else None,
+    }
+
+
 def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The summary of one config over `records` (one per item)."""
     n = len(records)
@@ -38,7 +55,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     prompt_billed = sum(r["upstream_prompt_tokens"] for r in records)
     completion_billed = sum(r["upstream_completion_tokens"] for r in records)
     wall = sum(r["wall_s"] for r in records)
-    return {
+    return json_rates(records) | {
         "n": n,
         "accuracy": sum(correct) / n,
         "ci95": [low, high],

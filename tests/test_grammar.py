@@ -64,6 +64,13 @@ def test_a_retokenized_answer_replays_the_state(vocab):
     assert not g.allows(by_char, tokens_of(vocab, "{")[0])
 
 
+def test_strings_refuse_raw_control_characters(vocab):
+    g = grammar(vocab, schema={"type": "object", "properties": {"text": {"type": "string"}}})
+    start = tokens_of(vocab, '{"text": "one')
+    assert not g.allows(start, tokens_of(vocab, "\n")[0])  # JSON needs "\\n" inside a string
+    assert g.allows(start, tokens_of(vocab, "\\")[0])
+
+
 def test_schemas_the_converter_cannot_express_are_refused():
     with pytest.raises(GrammarUnsupported):
         gbnf_for("json_schema", {"not": {"type": "string"}})
