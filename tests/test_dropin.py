@@ -135,6 +135,8 @@ def test_pass_through_is_budgeted_and_billed(gateway):
     answer = client_for(gateway).chat.completions.create(model="routed", messages=ASK_WEATHER, tools=[WEATHER_TOOL],
                                                          max_tokens=30, temperature=0)
     assert _billed(gateway) - before == answer.usage.prompt_tokens + answer.usage.completion_tokens
+    metrics = httpx.get(f"{gateway.base_url}/metrics").text
+    assert 'gateway_passthrough_requests_total{alias="routed",reason="tools"}' in metrics
 
 
 def _billed(gateway) -> int:
