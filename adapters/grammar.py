@@ -58,6 +58,8 @@ class Grammar:
             llama_cpp.llama_sampler_free(self._sampler)
             self._sampler = None
 
+    __del__ = close  # a request refused after admission built its grammar never decodes to close it
+
     def allows(self, answer: Sequence[int], token: int) -> bool:
         """May `token` follow `answer`? (An end-of-generation token: only where the grammar is complete.)"""
         self._sync(answer)

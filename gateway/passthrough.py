@@ -123,7 +123,7 @@ class Passing:
                 if body.get("usage"):
                     usage_seen = chunk
                 for choice in body.get("choices") or ():
-                    text.append((choice.get("delta") or {}).get("content") or "")
+                    text.append(_written(choice.get("delta") or {}))
                 body.pop("usage", None)
                 if body.get("choices"):
                     yield self._rename(body, "chat.completion.chunk")
@@ -168,8 +168,8 @@ class Passing:
         if self.routing:
             return
         usage = read_usage(response)
-        prompt = usage.prompt_tokens or self.upstream.estimate_chat_tokens(self.params(False)["messages"],
-                                                                                      self.body.tools)
+        messages = self.params(False)["messages"]
+        prompt = usage.prompt_tokens or self.upstream.estimate_chat_tokens(messages, self.body.tools)
         completion = usage.completion_tokens
         if completion is None:
             completion = self.upstream.estimate_chat_tokens([{"role": "assistant", "content": text}], None)
@@ -189,7 +189,14 @@ class Passing:
 
 
 def _answer_text(body: dict[str, Any]) -> str:
-    return "".join(((c.get("message") or {}).get("content") or "") for c in body.get("choices") or ())
+    return "".join(_written(c.get("message") or {}) for c in body.get("choices") or ())
+
+
+def _written(message: dict[str, Any]) -> str:
+    """What a message (or a streamed delta) wrote: its content and its tool calls' arguments,
+    counted when the upstream reports no usage."""
+    calls = message.get("tool_calls") or ()
+    return (message.get("content") or "") + "".join(((c.get("function") or {}).get("arguments") or "") for c in calls)
 
 
 async def admit(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatCompletionRequest,

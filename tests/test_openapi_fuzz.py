@@ -168,11 +168,12 @@ def load_openai_spec(config: schemathesis.Config | None = None):
 
 
 def documented_contract(spec: dict) -> dict:
-    """Two rules OpenAI's API enforces that its schema leaves out, so that fuzzing sends what the
-    API itself accepts: no request arguments beyond the documented ones (the API answers
+    """Rules OpenAI's API enforces that its schema leaves out, so that fuzzing sends what the API
+    itself accepts: no request arguments beyond the documented ones (the API answers
     "Unrecognized request argument supplied"; the schema's allOf cannot say so, so it is flattened
-    into one closed object), and `logit_bias` maps token ids to biases in [-100, 100] (its
-    description's words). Objects inside the request stay open, as the API leaves them."""
+    into one closed object), `logit_bias` maps token ids to biases in [-100, 100], and
+    `top_logprobs` needs `logprobs: true` (both in their descriptions' words). Objects inside the
+    request stay open, as the API leaves them."""
     schemas = spec["components"]["schemas"]
 
     def flat(schema: dict) -> tuple[dict, list]:
@@ -192,8 +193,11 @@ def documented_contract(spec: dict) -> dict:
     properties, required = flat(schemas["CreateChatCompletionRequest"])
     properties["logit_bias"] = {**properties["logit_bias"], "propertyNames": {"pattern": "^[0-9]{1,5}$"},
                                 "additionalProperties": {"type": "integer", "minimum": -100, "maximum": 100}}
-    schemas["CreateChatCompletionRequest"] = {"type": "object", "properties": properties, "required": required,
-                                              "additionalProperties": False}
+    schemas["CreateChatCompletionRequest"] = {
+        "type": "object", "properties": properties, "required": required, "additionalProperties": False,
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+    }
     return spec
 
 
