@@ -14,9 +14,9 @@ from adapters.chat_template import TemplateError
 from adapters.grammar import GrammarUnsupported, gbnf_for
 from adapters.local_model import QueueFull
 from gateway import passthrough
+from gateway.admission import admit_rates, leave
 from gateway.budget import HandoffGate
 from gateway.decoder import Decoding, DecodeRequest, Piece
-from gateway.admission import admit_rates, leave
 from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded
 from gateway.logit_rules import LogitRules
 from gateway.passthrough import Blocker, Passing

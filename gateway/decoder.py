@@ -41,6 +41,9 @@ from policies import Policy, Route, RoutingState, Signal
 
 LOCAL, UPSTREAM, CACHE = "local", "upstream", "cache"
 GUESS_LIMIT = 8  # most local tokens guessed ahead while a hand-off is in flight
+# Most tokens one hand-off writes under a grammar: the upstream writes freely and the grammar cuts
+# its text at the first break, so a longer span would mostly be generated (and billed) in vain.
+GRAMMAR_SPAN = 16
 RESERVATION_MARGIN_S = 30.0  # a reservation outlives its call's worst case by this much
 log = logging.getLogger("gateway.decoder")
 
@@ -235,6 +238,8 @@ class Decoding:
 
     async def _upstream_step(self, sequence: Sequence, logits: np.ndarray, signal: Signal) -> list[Piece]:
         span = max(1, min(self.request.span, self.limit - len(self.answer_tokens)))
+        if self._grammar is not None:
+            span = min(span, GRAMMAR_SPAN)
         self._handoff = self.upstream.with_answer(self._handoff, self.text.text)
         call = asyncio.ensure_future(self._continuation(self._handoff, span))
         try:
@@ -256,8 +261,6 @@ class Decoding:
                                signal: Signal) -> Piece:
         first_new, added = self._append_text(text, source)
         delta = self.text.feed(added)
-        if finished and self._grammar is not None:
-            finished = self._grammar.allows(self.answer_tokens, self.local.end_token)
         if finished:
             self.finish_reason = "stop"
         self._check_end()
@@ -265,13 +268,13 @@ class Decoding:
         return Piece(delta, tuple(self.answer_tokens[first_new:]), source, signal, logprobs)
 
     def _grammar_cut(self, text: str, finished: bool, source: str) -> tuple[str, bool, str]:
-        """The upstream's text as far as the grammar accepts it; finished only where the grammar
-        is complete there. A cut inside a character drops that character's bytes."""
+        """The upstream's text as far as the grammar accepts it; finished only if all of it was
+        accepted and the grammar is complete there. A cut inside a character drops its bytes."""
         tokens = self.local.tokenize_text(text.encode("utf-8"))
         kept = self._grammar.accepted(self.answer_tokens, tokens)
         kept_text = b"".join(self.local.token_bytes(t) for t in tokens[:kept]).decode("utf-8", "ignore")
-        if kept < len(tokens):
-            return kept_text, False, source
+        finished = finished and kept == len(tokens) and \
+            self._grammar.allows(self.answer_tokens + tokens, self.local.end_token)
         return kept_text, finished, source
 
     async def _guess(self, sequence: Sequence, logits: np.ndarray, signal: Signal, call: asyncio.Future) -> list[Guess]:

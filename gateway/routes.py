@@ -14,11 +14,11 @@ from starlette.background import BackgroundTask
 
 from gateway import observability
 from gateway.chat import Admitted, admit
-from gateway.passthrough import Passing
 from gateway.decoder import Piece
 from gateway.errors import (
     ClientClosedRequest, Forbidden, GatewayError, InvalidRequest, Unauthenticated, param_of, sse_error_event,
 )
+from gateway.passthrough import Passing
 from gateway.responses import chunk, completion_body, routing_header, usage_chunk
 from gateway.runtime import Runtime
 from gateway.schemas import ChatCompletionRequest

@@ -62,6 +62,12 @@ class FakeLocalModel:
     def is_end_of_generation(self, token: int) -> bool:
         return token == 0
 
+    end_token = 0
+
+    def grammar(self, text: str) -> "PrefixGrammar":
+        """A fake grammar: the GBNF text is taken as the one answer it accepts."""
+        return PrefixGrammar(self.vocab, text)
+
     @contextlib.asynccontextmanager
     async def sequence(self, prompt: list[int]):
         yield self
@@ -79,6 +85,29 @@ class FakeLocalModel:
         best = max(options, key=lambda i: len(self.vocab[i])) if options else 0
         logits[best] = self.lean if len(answer) in self.uncertain_at else 20.0
         return logits
+
+
+class PrefixGrammar:
+    """Accepts exactly the prefixes of `text`; the answer may end only once all of it is written."""
+
+    def __init__(self, vocab: list[str], text: str) -> None:
+        self.vocab, self.text = vocab, text
+
+    def allows(self, answer: list[int], token: int) -> bool:
+        written = "".join(self.vocab[t] for t in answer)
+        return written == self.text if token == 0 else self.text.startswith(written + self.vocab[token])
+
+    def mask(self, answer: list[int], logits: np.ndarray) -> np.ndarray:
+        return np.where([self.allows(answer, t) for t in range(len(logits))], logits, -np.inf).astype(logits.dtype)
+
+    def accepted(self, answer: list[int], tokens: list[int]) -> int:
+        count = 0
+        while count < len(tokens) and self.allows(list(answer) + tokens[:count], tokens[count]):
+            count += 1
+        return count
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass

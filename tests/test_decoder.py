@@ -20,11 +20,12 @@ VOCAB = ["Par", "is", "Paris", " is", " nice", " big", *sorted(set("Paris is nic
 
 
 def make(local, upstream, policy="always", max_tokens=20, span=1, stop=(), limits=Limits(), store=None,
-         span_until="tokens", **kw):
+         span_until="tokens", grammar=None, **kw):
     store = store or MemoryStore()
     gate = HandoffGate(Ledger(store), "t", limits, allowed=True)
     request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=max_tokens,
-                            policy=build_policy(policy, **kw), span=span, stop=stop, span_until=span_until)
+                            policy=build_policy(policy, **kw), span=span, stop=stop, span_until=span_until,
+                            grammar=grammar)
     return Decoding(local, upstream, gate, request), store
 
 
@@ -287,3 +288,32 @@ async def test_requests_that_never_or_always_route_do_not_warm_the_upstream(poli
     decoding, _ = make(FakeLocalModel(VOCAB, "Paris"), upstream, policy=policy, span=8)
     await run(decoding)
     assert len(upstream.calls) == (0 if policy == "never" else 1)  # always: its first step is the hand-off
+
+
+# -- under a grammar (a fake that accepts the prefixes of one text) --
+
+async def test_upstream_text_is_kept_only_as_far_as_the_grammar_accepts_it():
+    local = FakeLocalModel(VOCAB, "Paris is big.")
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=4)
+    decoding, _ = make(local, upstream, span=4, grammar="Paris is big.")
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is big." and decoding.finish_reason == "stop"
+    assert decoding.sources[0] == "upstream" and "local" in decoding.sources  # " nice" was cut, " big" local
+    invariant(decoding)
+
+
+async def test_an_upstream_that_ends_early_cannot_end_the_answer():
+    """The upstream says it is done before the grammar is complete: the answer goes on locally
+    (it once looped forever, asking the upstream again and again)."""
+    local = FakeLocalModel(VOCAB, "Paris is big.")
+    upstream = FakeUpstream("Paris is", chars_per_token=4)
+    decoding, _ = make(local, upstream, span=4, grammar="Paris is big.")
+    text = "".join(p.text for p in await asyncio.wait_for(run(decoding), 5))
+    assert text == "Paris is big." and decoding.finish_reason == "stop"
+    invariant(decoding)
+
+
+async def test_local_tokens_the_grammar_forbids_are_redrawn():
+    local = FakeLocalModel(VOCAB, "Paris is nice.")
+    decoding, _ = make(local, None, policy="never", grammar="Paris is big.")
+    assert "".join(p.text for p in await run(decoding)) == "Paris is big."
