@@ -54,7 +54,7 @@ class Grammar:
         self._one = np.zeros(1, dtype=TOKEN_DATA)
 
     def close(self) -> None:
-        if self._sampler:
+        if getattr(self, "_sampler", None):
             llama_cpp.llama_sampler_free(self._sampler)
             self._sampler = None
 
