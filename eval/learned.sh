@@ -30,3 +30,7 @@ for config in upstream local top1@0.3184 first@1; do
 done
 $EVAL run --dataset csqa --rows 0:200 --run-name learned_divergent --warm --block 10 --router $DIVERGENT \
   --configs learned@0.03 learned@0.05 learned@0.1
+# IFEval (dev rows, first slice; widen --rows to continue): local, upstream and the GSM8K router at
+# 10% of tokens (no router is trained on IFEval; GSM8K's is the long-answer one).
+$EVAL run --dataset ifeval --rows 0:40 --run-name learned_ifeval --block 4 \
+  --router routers/gsm8k-qwen2.5-coder-0.5b.json --configs local upstream learned@0.1
