@@ -34,3 +34,6 @@ $EVAL run --dataset csqa --rows 0:200 --run-name learned_divergent --warm --bloc
 # 10% of tokens (no router is trained on IFEval; GSM8K's is the long-answer one).
 $EVAL run --dataset ifeval --rows 0:40 --run-name learned_ifeval --block 4 \
   --router routers/gsm8k-qwen2.5-coder-0.5b.json --configs local upstream learned@0.1
+# HumanEval (first slice; widen --rows to continue), the same three configs.
+$EVAL run --dataset humaneval --rows 0:24 --run-name learned_humaneval --block 4 \
+  --router routers/gsm8k-qwen2.5-coder-0.5b.json --configs local upstream learned@0.1
