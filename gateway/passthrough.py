@@ -213,14 +213,14 @@ async def admit(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
         raise Overloaded(f"'{blocker.param}' needs the upstream model, which is unavailable; retry shortly",
                          retry_after_s=upstream.settings.breaker_cooldown_s)
     max_tokens = body.requested_max_tokens or runtime.settings.server.max_tokens_limit
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    tokens = upstream.estimate_chat_tokens(messages, body.tools) + max_tokens * body.n
+    prompt = upstream.estimate_chat_tokens([m.model_dump(exclude_none=True) for m in body.messages], body.tools)
+    answers = max_tokens * body.n
     gate = HandoffGate(runtime.ledger, tenant.id, tenant.limits, allowed=True)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    await admit_rates(runtime, tenant, gate, request_id, tokens)
+    await admit_rates(runtime, tenant, gate, request_id, prompt + answers)
     reservation = None
     if gate.allowed:
-        reservation = await gate.reserve(tokens, upstream.estimate_cost(tokens - max_tokens * body.n, max_tokens * body.n),
+        reservation = await gate.reserve(prompt + answers, upstream.estimate_cost(prompt, answers),
                                          ttl_s=upstream.settings.passthrough_timeout_s + RESERVATION_MARGIN_S)
     if reservation is None:
         await leave(runtime, tenant, request_id)
