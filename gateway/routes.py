@@ -112,19 +112,13 @@ async def _pass_through(request: Request, runtime: Runtime, passing: Passing):
     return JSONResponse(body, headers=headers)
 
 
-async def _passed_events(runtime: Runtime, passing: Passing, chunks):
-    try:
-        async for body in chunks:
-            yield _event(body)
-        yield {"data": "[DONE]"}
-    except GatewayError as error:
-        yield sse_error_event(error)
-    except Exception:  # noqa: BLE001 - the stream has started: report, don't crash
-        log.exception("error while streaming %s from the upstream", passing.id)
-        yield sse_error_event(GatewayError("the upstream's stream failed; the gateway logged the details"))
-    finally:
-        await asyncio.shield(passing.leave(runtime))
+def _passed_events(runtime: Runtime, passing: Passing, chunks):
+    async def done() -> None:
+        await passing.leave(runtime)
         observability.count_passthrough(passing)
+
+    events = (_event(body) async for body in chunks)
+    return _framed(events, passing.id, "the upstream's stream failed; the gateway logged the details", done)
 
 
 async def _collect(admitted: Admitted) -> list[list[Piece]]:
@@ -156,35 +150,48 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(runtime: Runtime, admitted: Admitted):
-    """SSE events: per choice the role, one delta per piece (finish_reason on the last), then
-    usage and [DONE]."""
+def _stream(runtime: Runtime, admitted: Admitted):
+    return _framed(_decoded_events(admitted), admitted.id,
+                   "internal error while decoding; the gateway logged the details", lambda: admitted.leave(runtime))
+
+
+async def _decoded_events(admitted: Admitted):
+    """Per choice the role, one delta per piece (finish_reason on the last), then usage."""
+    for index in range(len(admitted.decodings)):
+        yield _event(chunk(admitted, {"role": "assistant", "content": ""}, index=index))
+    last: dict[int, Piece] = {}  # each choice's newest piece, held back to carry finish_reason
+    async for index, piece in observability.metered(admitted):
+        if not piece.text:
+            continue  # nothing showable yet (a split character or a possible stop string)
+        if index in last:
+            yield _event(chunk(admitted, {"content": last[index].text}, piece=last[index], index=index))
+        last[index] = piece
+    for index, decoding in enumerate(admitted.decodings):
+        held = last.get(index)
+        delta = {"content": held.text} if held else {}
+        yield _event(chunk(admitted, delta, finish_reason=decoding.finish_reason, piece=held, index=index))
+    options = admitted.body.stream_options
+    if options is not None and options.include_usage:
+        yield _event(usage_chunk(admitted))
+
+
+async def _framed(events, request_id: str, failure: str, done):
+    """SSE framing for both paths: the events, then [DONE]. An error after the stream started is
+    one error event (never a crash); `done()` runs however the stream ends."""
     try:
-        for index in range(len(admitted.decodings)):
-            yield _event(chunk(admitted, {"role": "assistant", "content": ""}, index=index))
-        last: dict[int, Piece] = {}  # each choice's newest piece, held back to carry finish_reason
-        async for index, piece in observability.metered(admitted):
-            if not piece.text:
-                continue  # nothing showable yet (a split character or a possible stop string)
-            if index in last:
-                yield _event(chunk(admitted, {"content": last[index].text}, piece=last[index], index=index))
-            last[index] = piece
-        for index, decoding in enumerate(admitted.decodings):
-            held = last.get(index)
-            delta = {"content": held.text} if held else {}
-            yield _event(chunk(admitted, delta, finish_reason=decoding.finish_reason, piece=held, index=index))
-        options = admitted.body.stream_options
-        if options is not None and options.include_usage:
-            yield _event(usage_chunk(admitted))
+        async for event in events:
+            yield event
         yield {"data": "[DONE]"}
     except GatewayError as error:
         yield sse_error_event(error)
     except Exception:  # noqa: BLE001 - the stream has started: report, don't crash
-        log.exception("error while streaming %s", admitted.id)
-        yield sse_error_event(GatewayError("internal error while decoding; the gateway logged the details"))
+        log.exception("error while streaming %s", request_id)
+        yield sse_error_event(GatewayError(failure))
     finally:
-        # A client that left cancels this generator; the shield lets the slot's release finish.
-        await asyncio.shield(admitted.leave(runtime))
+        # A client that left closes this generator: close the events too (their own clean-up
+        # runs now, not at garbage collection); the shield lets the slot's release finish.
+        await asyncio.shield(events.aclose())
+        await asyncio.shield(done())
 
 
 def _event(body: dict) -> dict:
