@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     analyze = commands.add_parser("analyze", help="FS-GEN: teacher-force the local model on the upstream's answers")
     _common(analyze)
     analyze.add_argument("--n-ctx", type=int, default=1024)
+    analyze.add_argument("--answers", default="upstream",
+                         help="whose answers to teacher-force: upstream (the FS-GEN analysis) or local (the local "
+                              "model's own text, for `thresholds`)")
     analyze.set_defaults(command=_analyze)
 
     diverge = commands.add_parser("diverge", help="R2R's divergent labels: mismatches that change the prediction")
@@ -91,6 +94,15 @@ def _parser() -> argparse.ArgumentParser:
                                 "the threshold rules at equal share on the held-out rows")
     calibrate.add_argument("--out", type=Path, help="snippet path (default <run>/calibrated_<dataset>.yaml)")
     calibrate.set_defaults(command=_calibrate)
+
+    thresholds = commands.add_parser("thresholds", help="refit a router's thresholds on the local model's own "
+                                                        "answers of a task (python -m eval analyze --answers local)")
+    _where(thresholds)
+    thresholds.add_argument("--router", type=Path, required=True, help="the router file to refit")
+    thresholds.add_argument("--fit-rows", required=True, help="rows to fit on, e.g. 100:200")
+    thresholds.add_argument("--share", nargs="+", type=float, required=True, help="target upstream shares")
+    thresholds.add_argument("--out", type=Path, required=True, help="the refitted router file")
+    thresholds.set_defaults(command=_thresholds)
 
     report = commands.add_parser("report", help="markdown table and plot from finished runs")
     _where(report)
@@ -218,10 +230,10 @@ def _analyze(args: argparse.Namespace) -> int:
     from eval.records import append_record, read_records, records_path, write_json
 
     run_dir = args.runs_dir / args.run_name
-    references = {r["id"]: r for r in read_records(records_path(run_dir, args.dataset, "upstream"))}
+    references = {r["id"]: r for r in read_records(records_path(run_dir, args.dataset, args.answers))}
     if not references:
-        raise ValueError(f"no upstream answers for {args.dataset} in {run_dir}: run the 'upstream' config first")
-    out = run_dir / "analysis" / f"{args.dataset}.jsonl"
+        raise ValueError(f"no {args.answers} answers for {args.dataset} in {run_dir}: run that config first")
+    out = _analysis_path(run_dir, args.dataset, args.answers)
     done = {r["id"] for r in read_records(out)}
     items = [i for i in load_items(args.dataset, args.data, args.rows) if i.id in references and i.id not in done]
     if items:
@@ -237,10 +249,14 @@ def _analyze(args: argparse.Namespace) -> int:
 
         records = in_rows(records, parse_rows(args.rows))
     summary = summarize_analysis(records)
-    write_json(run_dir / "analysis" / f"{args.dataset}{'_' + args.rows.replace(':', '-') if args.rows else ''}.json",
-               summary)
+    write_json(out.with_name(f"{out.stem}{'_' + args.rows.replace(':', '-') if args.rows else ''}.json"), summary)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _analysis_path(run_dir: Path, dataset: str, answers: str = "upstream") -> Path:
+    """Where `analyze` keeps the teacher-forced records of `answers`' answers."""
+    return run_dir / "analysis" / (f"{dataset}.jsonl" if answers == "upstream" else f"{dataset}.{answers}.jsonl")
 
 
 # -- calibrate --
@@ -249,7 +265,7 @@ def _diverge(args: argparse.Namespace) -> int:
     from eval.records import in_rows, read_records, records_path
 
     run_dir = args.runs_dir / args.run_name
-    analysis = {r["id"]: r for r in read_records(run_dir / "analysis" / f"{args.dataset}.jsonl")}
+    analysis = {r["id"]: r for r in read_records(_analysis_path(run_dir, args.dataset))}
     references = {r["id"]: r for r in read_records(records_path(run_dir, args.dataset, "upstream"))}
     out = run_dir / "analysis" / f"{args.dataset}.divergent.jsonl"
     done = {r["id"] for r in read_records(out)}
@@ -289,7 +305,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from eval.records import in_rows, read_records, write_json
 
     run_dir = args.runs_dir / args.run_name
-    records = read_records(run_dir / "analysis" / f"{args.dataset}.jsonl")
+    records = read_records(_analysis_path(run_dir, args.dataset))
     fit = in_rows(records, parse_rows(args.fit_rows))
     held_out = in_rows(records, parse_rows(args.eval_rows)) if args.eval_rows else []
     if not fit:
@@ -359,6 +375,28 @@ def _learn(args: argparse.Namespace, fit: list[dict[str, Any]], held_out: list[d
         print(f"\nheld-out rows {args.eval_rows}, AUROC: "
               + ", ".join(f"{k} {v:.3f}" for k, v in ranking_quality(router, held_out).items()))
         print(comparison_table(compare(router, held_out, args.share)), end="")
+
+
+def _thresholds(args: argparse.Namespace) -> int:
+    from eval.learn import with_thresholds
+    from eval.records import in_rows, read_records
+    from policies.learned import Router
+
+    path = _analysis_path(args.runs_dir / args.run_name, args.dataset, "local")
+    fit = in_rows(read_records(path), parse_rows(args.fit_rows))
+    if not fit:
+        raise ValueError(f"no analysed local answers for rows {args.fit_rows} in {path}: run "
+                         "`python -m eval analyze --answers local` on them first")
+    router = Router.load(args.router)
+    meta = {"thresholds": {"command": f"python -m eval {shlex.join(sys.argv[1:])}", "dataset": args.dataset,
+                           "fit_rows": args.fit_rows, "answers": "local", "fit_answers": len(fit)}}
+    refitted = with_thresholds(router, fit, args.share, meta)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(refitted.to_json(), indent=1) + "\n")
+    for share, threshold in sorted(refitted.shares.items()):
+        print(f"share {share:g}: threshold {threshold:.4f} (was {router.threshold_for_share(share):.4f})")
+    print(f"router: {args.out}")
+    return 0
 
 
 # -- report --

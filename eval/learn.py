@@ -5,7 +5,8 @@ eval/analysis.py) is one example: the features the decoder has at that step (pol
 and the label "the local greedy token is not the upstream's" (mismatch). The model is an
 L2-regularised logistic regression fitted by Newton's method in numpy: a dozen features need no
 more, and the gateway serves it with one dot product. Score thresholds are fitted for target
-shares of the fit rows' tokens.
+shares of the fit rows' tokens; `with_thresholds` refits them on other answers (another task's,
+or the local model's own text, which is what the router reads live).
 
 `compare` measures, on held-out rows, each method at the same share of tokens routed: mismatch
 recall, token accuracy (positions that agree with the upstream after routing) and answers
@@ -15,6 +16,7 @@ reproduced (answers whose every mismatch is routed: teacher-forced, they are the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -68,10 +70,17 @@ def train(records: Sequence[dict[str, Any]], shares: Sequence[float], model_sha2
     """A router fitted on `records`, with score thresholds for each share of their tokens."""
     x, y, _ = matrix(records)
     weights, bias, mean, scale = fit_logistic(x, y)
-    router = Router(weights, bias, mean, scale, {}, model_sha256, meta)
+    return with_thresholds(Router(weights, bias, mean, scale, {}, model_sha256, meta), records, shares)
+
+
+def with_thresholds(router: Router, records: Sequence[dict[str, Any]], shares: Sequence[float],
+                    meta: dict[str, Any] | None = None) -> Router:
+    """`router` with its score thresholds refitted so that each share of `records`' positions
+    scores above its threshold (`meta`, if given, is added to the router's)."""
+    x, _, _ = matrix(records)
     scores = np.array([router.score(row) for row in x])
     thresholds = {float(share): float(np.quantile(scores, 1.0 - share)) for share in shares}
-    return Router(weights, bias, mean, scale, thresholds, model_sha256, meta)
+    return replace(router, shares=thresholds, meta={**router.meta, **(meta or {})})
 
 
 def _metrics(routed: np.ndarray, labels: np.ndarray, answers: np.ndarray) -> dict[str, float]:

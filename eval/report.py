@@ -12,7 +12,7 @@ from eval.answers import score
 from eval.datasets import Item
 from eval.configs import ROUTED, ConfigSpec, parse_config
 from eval.records import configs_in, in_rows, read_records
-from eval.summary import summarize
+from eval.summary import bootstrap_ci, mcnemar_p, summarize
 
 ORDER = {"local": 0, "upstream": 1, "oracle": 2, "query": 3, "query-billed": 4,
          **{p: 5 + i for i, p in enumerate(ROUTED)}}
@@ -99,21 +99,25 @@ def markdown_table(rows: Sequence[Row]) -> str:
 def paired_table(configs: dict[str, tuple[ConfigSpec, list[dict[str, Any]]]], base: str = "local",
                  reference: str = "upstream") -> str:
     """Per config, against `base` on the same questions: questions it gets right that `base` gets
-    wrong and the reverse, answers that end on the same extracted value as `reference`'s, and
-    answers cut at the token limit. Empty without both `base` and `reference`."""
+    wrong and the reverse, the accuracy change with its paired bootstrap 95% interval and the exact
+    McNemar p-value, answers that end on the same extracted value as `reference`'s, and answers cut
+    at the token limit. Empty without both `base` and `reference`."""
     if base not in configs or reference not in configs:
         return ""
     base_by_id = {r["id"]: r for r in configs[base][1]}
     ref_by_id = {r["id"]: r for r in configs[reference][1]}
     lines = [f"| config | n | right where {base} is wrong | wrong where {base} is right "
-             f"| same answer as {reference} | cut at the token limit |", "|" + "---|" * 6]
+             f"| accuracy change [95% CI] | McNemar p | same answer as {reference} | cut at the token limit |",
+             "|" + "---|" * 8]
     for name, (_, records) in configs.items():
         shared = [r for r in records if r["id"] in base_by_id and r["id"] in ref_by_id]
-        gained = sum(1 for r in shared if r["correct"] and not base_by_id[r["id"]]["correct"])
-        lost = sum(1 for r in shared if not r["correct"] and base_by_id[r["id"]]["correct"])
+        change = [float(r["correct"]) - float(base_by_id[r["id"]]["correct"]) for r in shared]
+        gained, lost = change.count(1.0), change.count(-1.0)
+        low, high = bootstrap_ci(change)
         same = sum(1 for r in shared if r["pred"] is not None and r["pred"] == ref_by_id[r["id"]]["pred"])
         cut = sum(1 for r in shared if r["finish_reason"] == "length")
-        lines.append(f"| {name} | {len(shared)} | {gained} | {lost} | {same} | {cut} |")
+        lines.append(f"| {name} | {len(shared)} | {gained} | {lost} | {(gained - lost) / max(1, len(shared)):+.1%} "
+                     f"[{low:+.1%}, {high:+.1%}] | {mcnemar_p(gained, lost):.3g} | {same} | {cut} |")
     return "\n".join(lines) + "\n"
 
 

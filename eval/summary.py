@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,16 @@ def bootstrap_ci(values: Sequence[float], resamples: int = RESAMPLES, seed: int 
     means = data[rng.integers(0, data.size, size=(resamples, data.size))].mean(axis=1)
     low, high = np.percentile(means, [2.5, 97.5])
     return float(low), float(high)
+
+
+def mcnemar_p(gained: int, lost: int) -> float:
+    """Exact two-sided McNemar p-value: the chance, if a config were no better than its base, of a
+    split of the discordant questions at least this uneven (binomial, p = 1/2)."""
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(gained, lost) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
 
 
 def upstream_written(record: dict[str, Any]) -> int:

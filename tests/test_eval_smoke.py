@@ -21,7 +21,7 @@ from eval.records import read_records, records_path
 from eval.report import build_rows, load, markdown_table, paired_table, plot
 from eval.runner import RunPlan, run
 from eval.session import ModelOptions, Models, upstream_settings
-from eval.summary import bootstrap_ci
+from eval.summary import bootstrap_ci, mcnemar_p
 from gateway.runtime import make_upstream
 
 CHOICES = {"A": "bank", "B": "library", "C": "department store", "D": "mall", "E": "new york"}
@@ -58,6 +58,14 @@ def test_config_names():
         parse_config("entropy")
 
 
+def test_mcnemar_p_is_the_exact_two_sided_binomial_tail():
+    assert mcnemar_p(0, 0) == 1.0
+    assert mcnemar_p(6, 1) == pytest.approx(2 * 8 / 128)  # P(X <= 1), X ~ Bin(7, 1/2), doubled
+    assert mcnemar_p(1, 6) == mcnemar_p(6, 1)
+    assert mcnemar_p(3, 3) == 1.0
+    assert mcnemar_p(10, 0) == pytest.approx(2 / 1024)
+
+
 def test_paired_table_counts_against_local_and_upstream():
     def record(id_, correct, pred, finish="stop"):
         return {"id": id_, "correct": correct, "pred": pred, "finish_reason": finish}
@@ -69,9 +77,11 @@ def test_paired_table_counts_against_local_and_upstream():
                                                 record("c", False, None)]),
     }
     lines = paired_table(configs).splitlines()
-    assert "| top1@0.5 | 3 | 1 | 1 | 1 | 1 |" in lines
-    assert "| local | 3 | 0 | 0 | 1 | 0 |" in lines
-    assert "| upstream | 3 | 1 | 0 | 3 | 0 |" in lines
+    cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in lines[2:]}
+    assert cells["top1@0.5"][:3] + cells["top1@0.5"][5:] == ["3", "1", "1", "1", "1 |"]
+    assert cells["local"][:4] == ["3", "0", "0", "+0.0% [+0.0%, +0.0%]"] and cells["local"][4] == "1"
+    assert cells["upstream"][:3] + cells["upstream"][5:] == ["3", "1", "0", "3", "0 |"]
+    assert cells["upstream"][3].startswith("+33.3% [")
     assert paired_table({"local": configs["local"]}) == ""
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from adapters.store import Limits, MemoryStore
-from eval.learn import compare, train
+from eval.learn import compare, matrix, train, with_thresholds
 from gateway.budget import HandoffGate, Ledger
 from gateway.chat import resolve_routing
 from gateway.decoder import DecodeRequest, Decoding
@@ -80,6 +80,21 @@ def test_a_router_trained_on_a_synthetic_set_separates_it():
     assert learned["mismatch_recall"] > 0.9 > entropy["mismatch_recall"] + 0.2
     assert abs(learned["share"] - entropy["share"]) < 0.02  # compared at the same share
     assert router.threshold_for_share(0.1) > router.threshold_for_share(0.3)
+
+
+def test_thresholds_refitted_on_other_answers_route_their_share_of_them():
+    router = train(synthetic(300, 0), [0.1, 0.3], "sha-of-model", {"command": "train"})
+    other = synthetic(200, 2)
+    for record in other:  # another task: uniformly less certain text, so the old thresholds over-route
+        record["entropy"] = [e + 1.0 for e in record["entropy"]]
+    x, _, _ = matrix(other)
+    scores = np.array([router.score(row) for row in x])
+    assert (scores > router.threshold_for_share(0.1)).mean() > 0.15
+    refitted = with_thresholds(router, other, [0.1, 0.3], {"thresholds": {"dataset": "other"}})
+    for share in (0.1, 0.3):
+        assert (scores > refitted.threshold_for_share(share)).mean() == pytest.approx(share, abs=0.01)
+    assert np.array_equal(refitted.weights, router.weights)
+    assert refitted.meta == {"command": "train", "thresholds": {"dataset": "other"}}
 
 
 def test_a_router_file_trained_for_another_model_is_refused(tmp_path):

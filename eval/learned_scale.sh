@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The learned router at scale (docs/results.md, "A learned router"), in two lanes, one per core:
+#  - GSM8K at 512 answer tokens: local, upstream, the GSM8K router at 5% and top1 at the same share.
+#    Both were fitted on rows 50-99 (teacher-forced upstream answers), so those rows are never
+#    reported: rows 0-49, then 100-249. Rows 0-29 come from the hand-off runs (same code path).
+#  - IFEval with per-task thresholds: the GSM8K router's thresholds refitted on the local model's
+#    own answers to IFEval rows 100-199 (`analyze --answers local`, `thresholds`), then the router
+#    at 10% on rows 0-39 next to the local and upstream answers of eval/learned.sh.
+# Resumable: rerun to continue.   nohup nice -n 15 bash eval/learned_scale.sh > eval-scale.log 2>&1 &
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+EVAL=".venv/bin/python -m eval"
+GSM8K_ROUTER=routers/gsm8k-qwen2.5-coder-0.5b.json
+IFEVAL_ROUTER=routers/ifeval-gsm8k-qwen2.5-coder-0.5b.json
+
+gsm8k_lane() {
+  mkdir -p eval/runs/learned_gsm8k
+  for config in local upstream top1@0.5186 learned@0.05; do
+    cp -n "eval/runs/handoff/gsm8k__$config.jsonl" eval/runs/learned_gsm8k/
+  done
+  for rows in 0:50 100:250; do
+    $EVAL run --dataset gsm8k --rows $rows --run-name learned_gsm8k --warm --block 5 --max-tokens 512 \
+      --router $GSM8K_ROUTER --configs local upstream learned@0.05 top1@0.5186
+  done
+}
+
+ifeval_lane() {
+  $EVAL run --dataset ifeval --rows 100:200 --run-name learned_ifeval --block 4 --configs local
+  $EVAL analyze --dataset ifeval --run-name learned_ifeval --rows 100:200 --answers local
+  $EVAL thresholds --dataset ifeval --run-name learned_ifeval --fit-rows 100:200 --router $GSM8K_ROUTER \
+    --share 0.05 0.1 0.2 --out $IFEVAL_ROUTER
+  mkdir -p eval/runs/learned_ifeval_task
+  for config in local upstream; do cp -n "eval/runs/learned_ifeval/ifeval__$config.jsonl" eval/runs/learned_ifeval_task/; done
+  $EVAL run --dataset ifeval --rows 0:40 --run-name learned_ifeval_task --block 4 --router $IFEVAL_ROUTER \
+    --configs learned@0.1
+}
+
+gsm8k_lane &
+ifeval_lane &
+wait
