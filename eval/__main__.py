@@ -1,4 +1,4 @@
-"""Command line: `python -m eval run|analyze|calibrate|report`. The only place that reads argv.
+"""Command line: `python -m eval run|analyze|diverge|calibrate|thresholds|report`. The only place that reads argv.
 
     python -m eval run --dataset csqa --rows 0:200 --run-name ref --configs local upstream entropy@1.0 oracle
     python -m eval analyze --dataset csqa --run-name ref

@@ -4,9 +4,10 @@
 #    Both were fitted on rows 50-99 (teacher-forced upstream answers), so those rows are never
 #    reported: rows 0-49, then 100-249. Rows 0-29 come from the hand-off runs (same code path).
 #  - IFEval with per-task thresholds: the GSM8K router's thresholds refitted on the local model's
-#    own answers to IFEval rows 100-199 (`analyze --answers local`, `thresholds`), then the router
+#    own answers to IFEval rows 100-149 (`analyze --answers local`, `thresholds`), then the router
 #    at 10% on rows 0-39 next to the local and upstream answers of eval/learned.sh.
-# Resumable: rerun to continue.   nohup nice -n 15 bash eval/learned_scale.sh > eval-scale.log 2>&1 &
+# Resumable: rerun to continue; name lanes to run only those (default both).
+#   nohup nice -n 15 bash eval/learned_scale.sh [gsm8k] [ifeval] > eval-scale.log 2>&1 &
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,9 +27,9 @@ gsm8k_lane() {
 }
 
 ifeval_lane() {
-  $EVAL run --dataset ifeval --rows 100:200 --run-name learned_ifeval --block 4 --configs local
-  $EVAL analyze --dataset ifeval --run-name learned_ifeval --rows 100:200 --answers local
-  $EVAL thresholds --dataset ifeval --run-name learned_ifeval --fit-rows 100:200 --router $GSM8K_ROUTER \
+  $EVAL run --dataset ifeval --rows 100:150 --run-name learned_ifeval --block 4 --configs local
+  $EVAL analyze --dataset ifeval --run-name learned_ifeval --rows 100:150 --answers local
+  $EVAL thresholds --dataset ifeval --run-name learned_ifeval --fit-rows 100:150 --router $GSM8K_ROUTER \
     --share 0.05 0.1 0.2 --out $IFEVAL_ROUTER
   mkdir -p eval/runs/learned_ifeval_task
   for config in local upstream; do cp -n "eval/runs/learned_ifeval/ifeval__$config.jsonl" eval/runs/learned_ifeval_task/; done
@@ -36,6 +37,7 @@ ifeval_lane() {
     --configs learned@0.1
 }
 
-gsm8k_lane &
-ifeval_lane &
+lanes=("$@")
+[ $# -gt 0 ] || lanes=(gsm8k ifeval)
+for lane in "${lanes[@]}"; do "${lane}_lane" & done
 wait

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from adapters.store import Limits, MemoryStore
+from eval.__main__ import main as eval_main
 from eval.learn import compare, matrix, train, with_thresholds
 from gateway.budget import HandoffGate, Ledger
 from gateway.chat import resolve_routing
@@ -97,10 +100,31 @@ def test_thresholds_refitted_on_other_answers_route_their_share_of_them():
     assert refitted.meta == {"command": "train", "thresholds": {"dataset": "other"}}
 
 
+def test_thresholds_command_refits_a_router_file_on_the_local_answers_of_its_rows(tmp_path, capsys):
+    source, out = tmp_path / "router.json", tmp_path / "refitted.json"
+    source.write_text(json.dumps(train(synthetic(100, 0), [0.1], "sha", {"command": "train"}).to_json()))
+    analysis = tmp_path / "runs" / "r" / "analysis" / "gsm8k.local.jsonl"
+    analysis.parent.mkdir(parents=True)
+    answers = [{**record, "id": f"gsm8k-{row}", "row": row} for row, record in enumerate(synthetic(60, 3))]
+    analysis.write_text("".join(json.dumps(record) + "\n" for record in answers))
+    command = ["thresholds", "--dataset", "gsm8k", "--run-name", "r", "--runs-dir", str(tmp_path / "runs"),
+               "--router", str(source), "--share", "0.2", "--out", str(out)]
+
+    assert eval_main([*command, "--fit-rows", "0:40"]) == 0
+    refitted = Router.load(out, "sha")
+    x, _, _ = matrix(answers[:40])
+    routed = np.array([refitted.score(row) for row in x]) > refitted.threshold_for_share(0.2)
+    assert routed.mean() == pytest.approx(0.2, abs=0.01)
+    assert refitted.meta["command"] == "train"
+    assert refitted.meta["thresholds"]["fit_rows"] == "0:40" and refitted.meta["thresholds"]["fit_answers"] == 40
+    assert eval_main([*command, "--fit-rows", "100:200"]) == 2
+    assert "analyze --answers local" in capsys.readouterr().err
+
+
 def test_a_router_file_trained_for_another_model_is_refused(tmp_path):
     router = train(synthetic(50, 0), [0.2], "sha-of-model", {"command": "test"})
     path = tmp_path / "router.json"
-    path.write_text(__import__("json").dumps(router.to_json()))
+    path.write_text(json.dumps(router.to_json()))
     loaded = Router.load(path, "sha-of-model")
     x = features(signal_of(np.array([3.0, 1.0, 0.5, 0.0, -1.0]), 2))
     assert loaded.score(x) == pytest.approx(router.score(x)) and loaded.meta["command"] == "test"
