@@ -5,7 +5,8 @@
 #    reported: rows 0-49, then 100-249. Rows 0-29 come from the hand-off runs (same code path).
 #  - IFEval with per-task thresholds: the GSM8K router's thresholds refitted on the local model's
 #    own answers to IFEval rows 100-149 (`analyze --answers local`, `thresholds`), then the router
-#    at 10% on rows 0-39 next to the local and upstream answers of eval/learned.sh.
+#    at 10% on rows 0-39 next to the local and upstream answers of eval/learned.sh, then all three
+#    on rows 40-99.
 # Resumable: rerun to continue; name lanes to run only those (default both).
 #   nohup nice -n 15 bash eval/learned_scale.sh [gsm8k] [ifeval] > eval-scale.log 2>&1 &
 set -euo pipefail
@@ -39,6 +40,8 @@ ifeval_lane() {
   for config in local upstream; do cp -n "eval/runs/learned_ifeval/ifeval__$config.jsonl" eval/runs/learned_ifeval_task/; done
   $EVAL run --dataset ifeval --rows 0:40 --run-name learned_ifeval_task --block 4 --router $IFEVAL_ROUTER \
     --configs learned@0.1
+  $EVAL run --dataset ifeval --rows 40:100 --run-name learned_ifeval_task --block 4 --router $IFEVAL_ROUTER \
+    --configs local upstream learned@0.1
 }
 
 lanes=("$@")
