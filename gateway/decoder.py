@@ -136,7 +136,8 @@ class Decoding:
         self.text = TextReleaser(request.stop)
         self.usage = RoutingUsage(policy=request.policy.name)
         self.finish_reason: str | None = None
-        self._rng = np.random.default_rng(request.seed)
+        # OpenAI's seed is any 64-bit integer; numpy's seeds are non-negative
+        self._rng = np.random.default_rng(None if request.seed is None else request.seed % 2**64)
         self._upstream_closed = upstream is None
         self._handoff = upstream.handoff(request.messages, request.continue_final) if upstream else None
         self._warming: asyncio.Future | None = None  # the warm-up call, until the first hand-off waits for it

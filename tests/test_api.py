@@ -223,6 +223,7 @@ def test_sampling_is_reproducible_with_a_seed(client):
     first = sample(11)
     assert sample(11) == first
     assert len({first, sample(12), sample(13), sample(14)}) > 1
+    assert sample(-268)  # OpenAI's seed is any 64-bit integer: a negative one is served, not a 500
 
 
 def test_concurrent_requests_do_not_disturb_each_other(gateway):
