@@ -70,7 +70,9 @@ async def local(smol_path):
 async def test_never_matches_llama_greedy_ids(local, smol_path):
     for prompt in PROMPTS:
         decoding = await decode(local, None, "never", prompt)
-        assert decoding.answer_tokens == greedy_reference(smol_path, local, prompt, 24), prompt
+        reference = greedy_reference(smol_path, local, prompt, 24)
+        if decoding.answer_tokens != reference:  # batched and token-by-token kernels may flip a near-tie
+            assert first_divergence_is_a_near_tie(smol_path, local, prompt, decoding.answer_tokens, reference), prompt
         assert decoding.source_counts()["upstream"] == 0
 
 
@@ -87,17 +89,26 @@ def first_uncanonical_boundary(local: LocalModel, ids: list[int], span: int) -> 
     return None
 
 
-async def first_divergence_is_a_near_tie(local: LocalModel, prompt: str, ours: list[int], reference: list[int]) -> bool:
-    """True if the first differing token was a near-tie (logit gap < 0.1) for the model.
+def first_divergence_is_a_near_tie(path, local: LocalModel, prompt: str, ours: list[int], reference: list[int]
+                                   ) -> bool:
+    """True if the first differing token was a near-tie (logit gap < 0.1) where the reference chose it.
 
-    The upstream server evaluates each new prompt suffix as a batch while the reference decodes
-    token by token; the two kernels round differently, which flips near-ties in greedy decoding.
+    The engine and the upstream server evaluate prompts and prefixes in batches while the reference
+    decodes token by token; the kernels round differently (by up to ~0.3 logits on SmolLM2 Q4_1 here),
+    which flips near-ties in greedy decoding. So the gap is read on the reference's own path: the
+    prompt in one batch, then one token at a time, as `greedy_reference` decodes.
     """
     index = next(i for i, (a, b) in enumerate(zip(ours, reference)) if a != b)
     prompt_tokens = local.tokenize_prompt(local.template.render_parts([{"role": "user", "content": prompt}]))
-    async with local.sequence(prompt_tokens) as sequence:
-        logits = await sequence.forward(prompt_tokens + reference[:index])
-    return abs(float(logits[reference[index]] - logits[ours[index]])) < 0.1
+    llm = Llama(str(path), n_ctx=2048, n_threads=1, verbose=False)
+    try:
+        llm.eval(prompt_tokens)
+        for token in reference[:index]:
+            llm.eval([token])
+        logits = llm.scores[llm.n_tokens - 1]
+        return abs(float(logits[reference[index]] - logits[ours[index]])) < 0.1
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("span", [1, 4])
@@ -111,7 +122,7 @@ async def test_always_with_same_model_upstream_matches_greedy(local, smol_path, 
         if decoding.answer_tokens == reference:
             exact += 1
         elif boundary is None:
-            assert await first_divergence_is_a_near_tie(local, prompt, decoding.answer_tokens, reference), prompt
+            assert first_divergence_is_a_near_tie(smol_path, local, prompt, decoding.answer_tokens, reference), prompt
         else:  # the same text up to the boundary, however each side tokenized its end
             agreed = b"".join(local.token_bytes(t) for t in reference[:boundary])
             assert bytes(decoding.answer_bytes).startswith(agreed), prompt
@@ -119,7 +130,9 @@ async def test_always_with_same_model_upstream_matches_greedy(local, smol_path, 
         assert counts["local"] == 0 and counts["upstream"] == len(decoding.answer_tokens)
         # a call may write more than `span` tokens to finish a split character (emoji)
         assert decoding.usage.upstream_completion_tokens >= len(decoding.answer_tokens)
-        assert decoding.usage.upstream_calls <= len(decoding.answer_tokens) + 1
+        # each call writes at least one token or ends the answer (the upstream's tokens may retokenize
+        # into fewer answer tokens)
+        assert decoding.usage.upstream_calls <= decoding.usage.upstream_completion_tokens + 1
         assert decoding.usage.upstream_prompt_tokens > 0 and not decoding.usage.degraded
     assert exact >= 3, f"only {exact} of {len(PROMPTS)} answers were token-identical"
 
