@@ -70,7 +70,8 @@ def train(records: Sequence[dict[str, Any]], shares: Sequence[float], model_sha2
     """A router fitted on `records`, with score thresholds for each share of their tokens."""
     x, y, _ = matrix(records)
     weights, bias, mean, scale = fit_logistic(x, y)
-    return with_thresholds(Router(weights, bias, mean, scale, {}, model_sha256, meta), records, shares)
+    router = Router(weights, bias, mean, scale, {}, model_sha256, meta)
+    return replace(router, shares=_share_thresholds(router, x, shares))
 
 
 def with_thresholds(router: Router, records: Sequence[dict[str, Any]], shares: Sequence[float],
@@ -78,9 +79,12 @@ def with_thresholds(router: Router, records: Sequence[dict[str, Any]], shares: S
     """`router` with its score thresholds refitted so that each share of `records`' positions
     scores above its threshold (`meta`, if given, is added to the router's)."""
     x, _, _ = matrix(records)
+    return replace(router, shares=_share_thresholds(router, x, shares), meta={**router.meta, **(meta or {})})
+
+
+def _share_thresholds(router: Router, x: np.ndarray, shares: Sequence[float]) -> dict[float, float]:
     scores = np.array([router.score(row) for row in x])
-    thresholds = {float(share): float(np.quantile(scores, 1.0 - share)) for share in shares}
-    return replace(router, shares=thresholds, meta={**router.meta, **(meta or {})})
+    return {float(share): float(np.quantile(scores, 1.0 - share)) for share in shares}
 
 
 def _metrics(routed: np.ndarray, labels: np.ndarray, answers: np.ndarray) -> dict[str, float]:
