@@ -7,8 +7,10 @@
 #    own answers to IFEval rows 100-149 (`analyze --answers local`, `thresholds`), then the router
 #    at 10% on rows 0-39 next to the local and upstream answers of eval/learned.sh, then all three
 #    on rows 40-99.
-# Resumable: rerun to continue; name lanes to run only those (default both).
-#   nohup nice -n 15 bash eval/learned_scale.sh [gsm8k] [ifeval] > eval-scale.log 2>&1 &
+#  - HumanEval, all 164 problems: local, upstream and the GSM8K router at 10% (the first 24 come
+#    from eval/learned.sh, same configs and run directory).
+# Resumable: rerun to continue; name lanes to run only those (default: gsm8k and ifeval, one per core).
+#   nohup nice -n 15 bash eval/learned_scale.sh [gsm8k] [ifeval] [humaneval] > eval-scale.log 2>&1 &
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,6 +43,11 @@ ifeval_lane() {
   $EVAL run --dataset ifeval --rows 0:40 --run-name learned_ifeval_task --block 4 --router $IFEVAL_ROUTER \
     --configs learned@0.1
   $EVAL run --dataset ifeval --rows 40:100 --run-name learned_ifeval_task --block 4 --router $IFEVAL_ROUTER \
+    --configs local upstream learned@0.1
+}
+
+humaneval_lane() {
+  $EVAL run --dataset humaneval --rows 0:164 --run-name learned_humaneval --block 4 --router $GSM8K_ROUTER \
     --configs local upstream learned@0.1
 }
 
