@@ -225,7 +225,7 @@ def _print_summary(summary: dict[str, Any], names: list[str]) -> None:
 # -- analyze --
 
 def _analyze(args: argparse.Namespace) -> int:
-    from adapters.model_files import resolve_model
+    from adapters.model_files import model_sha256, resolve_model
     from eval.analysis import TeacherForcer, summarize_analysis
     from eval.records import append_record, read_records, records_path, write_json
 
@@ -238,9 +238,10 @@ def _analyze(args: argparse.Namespace) -> int:
     items = [i for i in load_items(args.dataset, args.data, args.rows) if i.id in references and i.id not in done]
     if items:
         forcer = TeacherForcer.load(resolve_model(args.local, fetch=True), args.n_ctx, args.threads)
+        sha = model_sha256(args.local)  # a router trained on these records is stamped with it
         try:
             for item in tqdm(items, unit="item", mininterval=2.0):
-                append_record(out, forcer.analyze(item, references[item.id]["tokens"]))
+                append_record(out, {**forcer.analyze(item, references[item.id]["tokens"]), "model_sha256": sha})
         finally:
             forcer.close()
     records = read_records(out)
@@ -356,25 +357,37 @@ def _learn(args: argparse.Namespace, fit: list[dict[str, Any]], held_out: list[d
     if "top" not in fit[0]:
         raise ValueError("the analysis has no top-k probabilities or token kinds: rerun `python -m eval analyze` "
                          "into a fresh run directory")
+    held_out_labels = "mismatch"
     if args.label == "divergent":
         labels = {r["id"]: r["divergent"] for r in read_records(
             args.runs_dir / args.run_name / "analysis" / f"{args.dataset}.divergent.jsonl")}
         fit = [{**r, "mismatch": labels[r["id"]]} for r in fit if r["id"] in labels]
         if not fit:
             raise ValueError("no divergent labels for the fit rows: run `python -m eval diverge` on them first")
+        if held_out and all(r["id"] in labels for r in held_out):
+            held_out, held_out_labels = [{**r, "mismatch": labels[r["id"]]} for r in held_out], "divergent"
     meta = {"command": f"python -m eval {shlex.join(sys.argv[1:])}", "labels": args.label,
             "local_model": args.local, "dataset": args.dataset, "fit_rows": args.fit_rows,
             "fit_answers": len(fit)}
-    router = train(fit, args.share, model_sha256(args.local), meta)
+    router = train(fit, args.share, analysed_model(fit, model_sha256(args.local)), meta)
     args.learn.parent.mkdir(parents=True, exist_ok=True)
     args.learn.write_text(json.dumps(router.to_json(), indent=1) + "\n")
     print(f"\nrouter: {args.learn} (weights on standardised features: "
           + ", ".join(f"{name} {w:+.2f}" for name, w in zip(router.to_json()["features"], router.weights)) + ")")
     print(f"one decision (features + score) takes {_decision_us(router):.1f} us on this machine")
     if held_out:
-        print(f"\nheld-out rows {args.eval_rows}, AUROC: "
+        print(f"\nheld-out rows {args.eval_rows} ({held_out_labels} labels), AUROC: "
               + ", ".join(f"{k} {v:.3f}" for k, v in ranking_quality(router, held_out).items()))
         print(comparison_table(compare(router, held_out, args.share)), end="")
+
+
+def analysed_model(records: list[dict[str, Any]], default: str) -> str:
+    """The sha256 of the local model that analysed `records` (`default` for records analysed before
+    `analyze` stamped it); ValueError if they were analysed by two models."""
+    found = {r["model_sha256"] for r in records if "model_sha256" in r}
+    if len(found) > 1:
+        raise ValueError(f"these analysis records come from {len(found)} different local models")
+    return found.pop() if found else default
 
 
 def _thresholds(args: argparse.Namespace) -> int:
@@ -387,14 +400,20 @@ def _thresholds(args: argparse.Namespace) -> int:
     if not fit:
         raise ValueError(f"no analysed local answers for rows {args.fit_rows} in {path}: run "
                          "`python -m eval analyze --answers local` on them first")
+    if "top" not in fit[0]:
+        raise ValueError(f"{path} has no top-k probabilities or token kinds: rerun `python -m eval analyze` "
+                         "into a fresh run directory")
     router = Router.load(args.router)
+    if analysed_model(fit, router.model_sha256) != router.model_sha256:
+        raise ValueError(f"{args.router} was trained for another local model than the one that analysed {path}")
     meta = {"thresholds": {"command": f"python -m eval {shlex.join(sys.argv[1:])}", "dataset": args.dataset,
                            "fit_rows": args.fit_rows, "answers": "local", "fit_answers": len(fit)}}
     refitted = with_thresholds(router, fit, args.share, meta)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(refitted.to_json(), indent=1) + "\n")
     for share, threshold in sorted(refitted.shares.items()):
-        print(f"share {share:g}: threshold {threshold:.4f} (was {router.threshold_for_share(share):.4f})")
+        was = router.shares.get(share)
+        print(f"share {share:g}: threshold {threshold:.4f}" + (f" (was {was:.4f})" if was is not None else ""))
     print(f"router: {args.out}")
     return 0
 

@@ -27,6 +27,7 @@ from gateway.streams import merged
 from gateway.signals import Sampling
 from gateway.tenants import Tenant
 from policies import THRESHOLD_POLICIES, build_policy
+from policies.learned import RouterError
 
 log = logging.getLogger("gateway.chat")
 
@@ -135,9 +136,12 @@ async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -
 def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, routing: RoutingSettings,
               max_tokens: int, grammar: str | None, choice: int) -> Decoding:
     """The decoding of one choice; choices differ by seed (seed + choice) when they sample."""
-    policy = build_policy(routing.policy, routing.threshold, routing.target_fraction, routing.max_upstream_tokens,
-                          routing.max_upstream_share, routing.max_upstream_calls, history=alias.entropy_history,
-                          router=alias.router)
+    try:
+        policy = build_policy(routing.policy, routing.threshold, routing.target_fraction,
+                              routing.max_upstream_tokens, routing.max_upstream_share, routing.max_upstream_calls,
+                              history=alias.entropy_history, router=alias.router)
+    except RouterError as exc:  # a target_fraction outside the shares the router was fitted for
+        raise InvalidRequest(str(exc), param="routing.target_fraction") from exc
     request = DecodeRequest(
         messages=wire_messages(body), max_tokens=max_tokens, policy=policy,
         sampling=Sampling(body.temperature, body.top_p), seed=None if body.seed is None else body.seed + choice,

@@ -193,16 +193,18 @@ class Decoding:
 
     # -- one step --
 
-    def _decide(self, signal: Signal) -> Route:
+    def _state(self) -> RoutingState:
         answered = len(self.answer_tokens)
-        state = RoutingState(
+        return RoutingState(
             answer_tokens=answered,
             upstream_tokens=answered - self.sources.count(LOCAL),
             upstream_calls=self.usage.upstream_calls,
             budget_tokens_left=self.gate.tokens_left(),
             handoff_cost_tokens=len(self.prompt_tokens) + answered + self.request.span,
         )
-        wanted = self.request.policy.decide(signal, state)
+
+    def _decide(self, signal: Signal) -> Route:
+        wanted = self.request.policy.decide(signal, self._state())
         if getattr(self.request.policy, "vetoed", None) == "budget" and not self._upstream_closed:
             self.usage.degrade("budget_exhausted")
         if wanted is Route.LOCAL or self._upstream_closed or self.text.mid_character:
@@ -238,7 +240,9 @@ class Decoding:
         return Piece(text, (token,), LOCAL, signal, logprobs)
 
     async def _upstream_step(self, sequence: Sequence, logits: np.ndarray, signal: Signal) -> list[Piece]:
-        span = max(1, min(self.request.span, self.limit - len(self.answer_tokens)))
+        room = getattr(self.request.policy, "room", lambda state: None)(self._state())  # the caps' headroom
+        span = max(1, min(self.request.span, self.limit - len(self.answer_tokens),
+                          self.request.span if room is None else room))
         if self._grammar is not None:
             span = min(span, GRAMMAR_SPAN)
         self._handoff = self.upstream.with_answer(self._handoff, self.text.text)

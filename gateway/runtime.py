@@ -83,6 +83,8 @@ class Runtime:
             if alias.routing.router is not None:
                 local_ref = settings.models.local[alias.local].gguf
                 router = Router.load(alias.routing.router, model_sha256(local_ref))
+                if alias.routing.policy == "learned" and alias.routing.threshold is None:
+                    router.threshold_for_share(alias.routing.target_fraction)  # fitted for it, or RouterError
             self.aliases[name] = Alias(name, self.local_models[alias.local], upstream, alias, router)
         if not await self.ledger.store.ping():
             host = settings.store.url.rsplit("@", 1)[-1]  # never log a password

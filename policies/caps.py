@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from policies.base import Policy, Route, RoutingState, Signal
@@ -12,7 +13,8 @@ class Capped:
     """Per-request caps on upstream answer tokens, upstream share and calls, and the budget left.
 
     `max_share` is checked against the share the answer would have if this step went upstream,
-    so the cap holds at every point of the answer, not just at its end. After each decision,
+    so the cap holds at every point of the answer, not just at its end; `room` bounds how many
+    tokens a hand-off may write (a span), so a span does not overshoot either. After each decision,
     `vetoed` says which kind of cap turned UPSTREAM into LOCAL ("cap", "budget" or None), so the
     caller can report a budget that ran out.
     """
@@ -37,6 +39,18 @@ class Capped:
             return Route.LOCAL
         self.vetoed = self._veto(state)
         return Route.LOCAL if self.vetoed else Route.UPSTREAM
+
+    def room(self, state: RoutingState) -> int | None:
+        """How many upstream tokens the token and share caps allow from this step on, counting each
+        as an answer token too (None: no such cap)."""
+        rooms = []
+        if self.max_tokens is not None:
+            rooms.append(self.max_tokens - state.upstream_tokens)
+        if self.max_share is not None and self.max_share < 1:
+            # largest k with (upstream + k) / (answer + k) <= max_share
+            rooms.append(math.floor((self.max_share * state.answer_tokens - state.upstream_tokens)
+                                    / (1 - self.max_share) + 1e-9))
+        return max(0, min(rooms)) if rooms else None
 
     def _veto(self, state: RoutingState) -> str | None:
         if self.max_tokens is not None and state.upstream_tokens >= self.max_tokens:

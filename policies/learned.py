@@ -22,6 +22,7 @@ from policies.base import Route, RoutingState, Signal
 FORMAT = "routing-gateway/learned-router@1"
 KINDS = ("word", "digit", "punct", "newline")  # one-hot; "piece" (inside a word) is the baseline
 FEATURES = ("entropy", "top1", "margin", "p3", "p4", "tail", "log_position", "first", *(f"kind_{k}" for k in KINDS))
+CORE_KEYS = ("format", "features", "model_sha256", "weights", "bias", "mean", "scale", "shares")  # the rest: meta
 
 
 class RouterError(ValueError):
@@ -54,16 +55,21 @@ class Router:
         return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
 
     def threshold_for_share(self, share: float) -> float:
-        """The score threshold for `share`, interpolated between the fitted shares."""
+        """The score threshold for `share`, interpolated between the fitted shares; RouterError
+        outside them (a share the router was not fitted near would silently be another)."""
         known = sorted(self.shares.items())
         xs, ys = [s for s, _ in known], [t for _, t in known]
+        if not xs[0] <= share <= xs[-1]:
+            fitted = ", ".join(f"{s:g}" for s in xs)
+            raise RouterError(f"the router's thresholds are fitted for shares {fitted}: "
+                              f"{share:g} is outside them (refit with `python -m eval thresholds --share ...`)")
         return float(np.interp(share, xs, ys))
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "features": list(FEATURES), "model_sha256": self.model_sha256,
                 "weights": self.weights.tolist(), "bias": self.bias, "mean": self.mean.tolist(),
                 "scale": self.scale.tolist(), "shares": {str(k): v for k, v in sorted(self.shares.items())},
-                **self.meta}
+                **{k: v for k, v in self.meta.items() if k not in CORE_KEYS}}
 
     @classmethod
     def load(cls, path: str | Path, model_sha256: str | None = None) -> "Router":
@@ -80,17 +86,26 @@ class Router:
         if model_sha256 is not None and data.get("model_sha256") != model_sha256:
             raise RouterError(f"{path} was trained for the local model with sha256 {data.get('model_sha256')}, "
                               f"not {model_sha256}")
-        meta = {k: v for k, v in data.items() if k not in
-                ("format", "features", "model_sha256", "weights", "bias", "mean", "scale", "shares")}
-        return cls(np.array(data["weights"], dtype=float), float(data["bias"]), np.array(data["mean"], dtype=float),
-                   np.array(data["scale"], dtype=float), {float(k): float(v) for k, v in data["shares"].items()},
-                   data["model_sha256"], meta)
+        try:
+            router = cls(np.array(data["weights"], dtype=float), float(data["bias"]),
+                         np.array(data["mean"], dtype=float), np.array(data["scale"], dtype=float),
+                         {float(k): float(v) for k, v in data["shares"].items()}, str(data["model_sha256"]),
+                         {k: v for k, v in data.items() if k not in CORE_KEYS})
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise RouterError(f"{path} is not a complete router file: {exc!r}") from exc
+        vectors = (router.weights, router.mean, router.scale)
+        if any(v.shape != (len(FEATURES),) or not np.isfinite(v).all() for v in vectors) or \
+                not (router.scale > 0).all() or not math.isfinite(router.bias) or not router.shares:
+            raise RouterError(f"{path} is not a usable router: weights, mean and scale need {len(FEATURES)} finite "
+                              "numbers each (scale positive), and shares at least one threshold")
+        return router
 
 
 @dataclass
 class LearnedAbove:
-    """Route when the router's score (the predicted chance that the local token is not the
-    upstream's) exceeds the threshold."""
+    """Route when the router's score (the predicted chance that the step carries its training
+    label: the local token is not the upstream's, or, for a divergent-label router, changes the
+    answer) exceeds the threshold."""
 
     router: Router
     threshold: float

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -177,3 +178,15 @@ def redis_url() -> str:
     url = "redis://127.0.0.1:6379/0"
     redis.Redis.from_url(url, socket_timeout=2).ping()
     return url
+
+
+def router_file(directory: Path, sha: str | None = None, **changes) -> str:
+    """A router trained on the synthetic set, for SmolLM2 unless `sha` says otherwise."""
+    from adapters.model_files import model_sha256
+    from eval.learn import train
+    from tests.fakes import synthetic
+
+    router = train(synthetic(60, 0), [0.1, 0.2], sha or model_sha256(SMOL), {"command": "test"}).to_json()
+    path = directory / "router.json"
+    path.write_text(json.dumps({**router, **changes}))
+    return str(path)

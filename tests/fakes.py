@@ -156,3 +156,21 @@ class FakeUpstream:
                             completion_tokens=max(1, max_tokens),
                             cost_usd=self.estimate_cost(prompt, max_tokens, cached), latency_s=self.delay_s,
                             cached_tokens=cached, compute_ms=5.0)
+
+
+def synthetic(n: int, seed: int) -> list[dict]:
+    """Answers whose mismatches are digits written with entropy above 1, or the first token: no
+    single signal separates them, the features together do."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for _ in range(n):
+        length = 12
+        entropy = rng.uniform(0, 3, length)
+        kinds = rng.choice(["word", "digit", "piece"], length)
+        mismatch = ((entropy > 1.0) & (kinds == "digit")) | (np.arange(length) == 0)
+        top1 = np.clip(1.2 - entropy / 2.5 + rng.normal(0, 0.05, length), 0.05, 1.0)
+        records.append({"n": length, "mismatch": "".join("1" if m else "0" for m in mismatch),
+                        "entropy": entropy.round(4).tolist(), "top1": top1.round(4).tolist(),
+                        "margin": (top1 * 0.8).round(4).tolist(), "kind": kinds.tolist(),
+                        "top": [[t, t * 0.2, t * 0.1, t * 0.05] for t in top1.round(4)]})
+    return records

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ADMIN_KEY, DEMO_KEY, gateway_config, live_gateway
+from tests.conftest import ADMIN_KEY, DEMO_KEY, gateway_config, live_gateway, router_file
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,10 @@ def gateway(smol_upstream, tmp_path_factory):
         {"id": "broke", "api_key_env": "TEST_BROKE_KEY", "daily": {"upstream_tokens": 0}, "on_budget_exhausted": "refuse"},
         {"id": "private", "api_key_env": "TEST_PRIVATE_KEY", "allow_upstream": False},
     ]
-    with live_gateway(config, tmp_path_factory.mktemp("api"), env=KEYS) as running:
+    tmp = tmp_path_factory.mktemp("api")
+    config["aliases"]["learned"] = {"local": "smol", "upstream": "up", "routing": {
+        "policy": "learned", "target_fraction": 0.1, "router": router_file(tmp)}}
+    with live_gateway(config, tmp, env=KEYS) as running:
         yield running
 
 
@@ -81,6 +84,14 @@ def test_routing_override_never_and_always(client):
     always = ask(client, max_tokens=6, seed=1, extra_body={"routing": {"policy": "always", "max_upstream_tokens": 3}})
     routing = routing_of(always.usage)
     assert 0 < routing["upstream_tokens"] + routing["cache_tokens"] <= 3 + 1  # a re-merged boundary may add one
+
+
+def test_learned_policy_serves_its_router_and_refuses_a_share_it_was_not_fitted_for(client):
+    answer = ask(client, model="learned", max_tokens=8, extra_body={"routing": {"target_fraction": 0.2}})
+    assert routing_of(answer.usage)["policy"] == "learned"
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(client, model="learned", extra_body={"routing": {"target_fraction": 0.9}})
+    assert caught.value.body["param"] == "routing.target_fraction" and "0.1, 0.2" in caught.value.body["message"]
 
 
 def test_logprobs_from_the_local_model(client):
@@ -168,7 +179,7 @@ def test_upstream_forbidden_tenant_never_reaches_upstream(gateway):
 
 
 def test_models_lists_the_aliases(client):
-    assert {m.id for m in client.models.list()} == {"routed", "local"}
+    assert {m.id for m in client.models.list()} == {"routed", "local", "learned"}
 
 
 def test_usage_endpoints_and_admin_permissions(gateway, client):

@@ -123,6 +123,16 @@ async def test_max_tokens_holds_even_with_a_long_span():
     invariant(decoding)
 
 
+async def test_a_span_stops_at_the_upstream_token_cap():
+    local = FakeLocalModel(list("abcdefgh "), "")  # one character, one token: no re-tokenization
+    upstream = FakeUpstream("abc defgh", chars_per_token=1)
+    decoding, _ = make(local, upstream, span=8, max_tokens=12, max_upstream_tokens=3)
+    await run(decoding)
+    assert bytes(decoding.answer_bytes) == b"abc" and len(upstream.calls) == 1
+    assert decoding.source_counts()["upstream"] == 3
+    invariant(decoding)
+
+
 async def test_cached_continuation_is_reused_without_upstream_calls():
     local = FakeLocalModel(VOCAB, "")
     store = MemoryStore()

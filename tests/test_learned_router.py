@@ -18,7 +18,7 @@ from gateway.settings import RoutingOverride, RoutingSettings
 from gateway.signals import signal_of, token_kind
 from policies import Route, RoutingState, build_policy
 from policies.learned import FEATURES, Router, RouterError, features
-from tests.fakes import FakeLocalModel
+from tests.fakes import FakeLocalModel, synthetic
 
 VOCAB = ["Paris", " is", " nice", " 42", ".", "\n", *sorted(set("Paris is nice 42."))]
 
@@ -55,24 +55,6 @@ async def test_features_are_read_from_the_decoders_own_signals():
     kinds = [s.kind for s in policy.signals[:len(decoding.answer_tokens)]]
     assert kinds == [token_kind(local.token_bytes(t)) for t in decoding.answer_tokens]
     assert {"word", "digit", "punct", "newline"} <= set(kinds)
-
-
-def synthetic(n: int, seed: int) -> list[dict]:
-    """Answers whose mismatches are digits written with entropy above 1, or the first token: no
-    single signal separates them, the features together do."""
-    rng = np.random.default_rng(seed)
-    records = []
-    for _ in range(n):
-        length = 12
-        entropy = rng.uniform(0, 3, length)
-        kinds = rng.choice(["word", "digit", "piece"], length)
-        mismatch = ((entropy > 1.0) & (kinds == "digit")) | (np.arange(length) == 0)
-        top1 = np.clip(1.2 - entropy / 2.5 + rng.normal(0, 0.05, length), 0.05, 1.0)
-        records.append({"n": length, "mismatch": "".join("1" if m else "0" for m in mismatch),
-                        "entropy": entropy.round(4).tolist(), "top1": top1.round(4).tolist(),
-                        "margin": (top1 * 0.8).round(4).tolist(), "kind": kinds.tolist(),
-                        "top": [[t, t * 0.2, t * 0.1, t * 0.05] for t in top1.round(4)]})
-    return records
 
 
 def test_a_router_trained_on_a_synthetic_set_separates_it():
@@ -119,6 +101,9 @@ def test_thresholds_command_refits_a_router_file_on_the_local_answers_of_its_row
     assert refitted.meta["thresholds"]["fit_rows"] == "0:40" and refitted.meta["thresholds"]["fit_answers"] == 40
     assert eval_main([*command, "--fit-rows", "100:200"]) == 2
     assert "analyze --answers local" in capsys.readouterr().err
+    analysis.write_text("".join(json.dumps({**record, "model_sha256": "other"}) + "\n" for record in answers))
+    assert eval_main([*command, "--fit-rows", "0:40"]) == 2
+    assert "trained for another local model" in capsys.readouterr().err
 
 
 def test_a_router_file_trained_for_another_model_is_refused(tmp_path):

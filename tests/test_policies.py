@@ -41,6 +41,20 @@ def test_caps_veto_upstream():
     assert build_policy("always", max_upstream_calls=3).decide(signal(), state) is Route.LOCAL
 
 
+@pytest.mark.parametrize("answer, upstream", [(0, 0), (10, 3), (37, 5), (100, 40)])
+@pytest.mark.parametrize("share", [0.1, 0.25, 0.5])
+def test_room_is_the_most_tokens_the_share_cap_allows(answer, upstream, share):
+    room = build_policy("always", max_upstream_share=share).room(RoutingState(answer, upstream))
+    assert (upstream + room) / (answer + room or 1) <= share + 1e-12 or room == 0
+    assert (upstream + room + 1) / (answer + room + 1) > share  # one more would break it
+
+
+def test_room_takes_the_tightest_cap_and_none_without_token_caps():
+    state = RoutingState(answer_tokens=10, upstream_tokens=3)
+    assert build_policy("always", max_upstream_tokens=5, max_upstream_share=0.9).room(state) == 2
+    assert build_policy("always", max_upstream_calls=2).room(state) is None
+
+
 def test_budget_left_is_a_hard_cap():
     policy = build_policy("always")
     assert policy.decide(signal(), RoutingState(budget_tokens_left=99, handoff_cost_tokens=100)) is Route.LOCAL

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import ROOT, gateway_config, live_gateway
+from tests.conftest import ROOT, gateway_config, live_gateway, router_file
 
 pytestmark = pytest.mark.integration
 
@@ -77,3 +77,21 @@ def test_unreachable_redis_starts_local_only(tmp_path):
                               headers={"Authorization": "Bearer sk-demo"},
                               json={"model": "local", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert response.status_code == 200
+
+
+@pytest.mark.parametrize("problem, expected", [
+    ("another model", "was trained for the local model with sha256 000"),
+    ("unfitted share", "fitted for shares 0.1, 0.2: 0.5 is outside them"),
+    ("no shares", "is not a complete router file"),
+    ("short weights", "is not a usable router"),
+])
+def test_a_router_the_gateway_cannot_use_is_refused_at_startup(tmp_path, problem, expected):
+    path = {"another model": lambda: router_file(tmp_path, sha="0" * 64),
+            "unfitted share": lambda: router_file(tmp_path),
+            "no shares": lambda: router_file(tmp_path, shares=None),
+            "short weights": lambda: router_file(tmp_path, weights=[1.0, 2.0])}[problem]()
+    config = gateway_config(None)
+    share = 0.5 if problem == "unfitted share" else 0.1
+    config["aliases"]["learned"] = {"local": "smol", "routing": {"policy": "learned", "target_fraction": share,
+                                                                 "router": path}}
+    assert expected in one_line_error(start(yaml.safe_dump(config), tmp_path))
