@@ -22,10 +22,9 @@ from typing import Any
 import numpy as np
 
 from eval.analysis import auroc, steps
+from eval.calibrate import ORIENTATION
 from policies.base import Signal
 from policies.learned import FEATURES, Router, features
-
-RULES = {"entropy": lambda s: s["entropy"], "top1": lambda s: -s["top1"], "margin": lambda s: -s["margin"]}
 
 
 def step_signal(step: dict[str, Any]) -> Signal:
@@ -108,8 +107,8 @@ def compare(router: Router, records: Sequence[dict[str, Any]], shares: Sequence[
         routed = learned > router.shares[float(share)]
         reached = routed.mean()
         found.append({"method": "learned", "target_share": share, **_metrics(routed, labels, answers)})
-        for name, score in RULES.items():
-            values = np.array([score(s) for s in all_steps])
+        for name, orientation in ORIENTATION.items():
+            values = np.array([orientation * s[name] for s in all_steps])
             cut = np.quantile(values, 1.0 - reached)
             found.append({"method": name, "target_share": share, **_metrics(values > cut, labels, answers)})
     for k in (1, 2):
@@ -122,7 +121,8 @@ def ranking_quality(router: Router, records: Sequence[dict[str, Any]]) -> dict[s
     x, labels, _ = matrix(records)
     all_steps = list(steps(records))
     found = {"learned": auroc([router.score(row) for row in x], labels.astype(bool))}
-    found.update({name: auroc([score(s) for s in all_steps], labels.astype(bool)) for name, score in RULES.items()})
+    found.update({name: auroc([orientation * s[name] for s in all_steps], labels.astype(bool))
+                  for name, orientation in ORIENTATION.items()})
     return found
 
 
