@@ -17,7 +17,7 @@ from gateway import passthrough
 from gateway.admission import admit_rates, leave
 from gateway.budget import HandoffGate
 from gateway.decoder import Decoding, DecodeRequest, Piece
-from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded
+from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, quoted
 from gateway.logit_rules import LogitRules
 from gateway.passthrough import Blocker, Passing
 from gateway.runtime import Alias, Runtime
@@ -104,7 +104,7 @@ async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -
     body.check()
     alias = runtime.aliases.get(body.model)
     if alias is None or not tenant.may_use(body.model):
-        raise ModelNotFound(f"The model '{body.model}' does not exist or you do not have access to it.", param="model")
+        raise ModelNotFound(f"The model '{quoted(body.model)}' does not exist or you do not have access to it.", param="model")
     blocker = passthrough.blocker_of(body, runtime.settings.server.max_tokens_limit)
     grammar = None
     if blocker is None:
@@ -125,7 +125,7 @@ async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -
         raise Overloaded(f"the local model is busy ({exc}); retry shortly") from exc
     gate = HandoffGate(runtime.ledger, tenant.id, tenant.limits, allowed=tenant.settings.allow_upstream,
                        refusal="budget_exhausted" if tenant.settings.allow_upstream else "upstream_forbidden",
-                       cache_scope="shared" if tenant.settings.cache_scope == "shared" else "")
+                       cache_scope=tenant.cache_scope)
     decodings = [_decoding(alias, gate, body, routing, max_tokens, grammar, choice) for choice in range(body.n)]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     first = decodings[0]
@@ -139,7 +139,7 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, rout
     try:
         policy = build_policy(routing.policy, routing.threshold, routing.target_fraction,
                               routing.max_upstream_tokens, routing.max_upstream_share, routing.max_upstream_calls,
-                              history=alias.entropy_history, router=alias.router)
+                              history=alias.entropy_window(gate.tenant), router=alias.router)
     except RouterError as exc:  # a target_fraction outside the shares the router was fitted for
         raise InvalidRequest(str(exc), param="routing.target_fraction") from exc
     request = DecodeRequest(

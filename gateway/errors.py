@@ -12,6 +12,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("gateway.errors")
 
+QUOTE_CHARS = 64  # the most of a client's own input an error message repeats
+MESSAGE_CHARS = 2000  # the longest message (an upstream's own words included)
+
+
+def quoted(text: str, limit: int = QUOTE_CHARS) -> str:
+    """A client's input as an error message may repeat it: at most `limit` characters, and text that
+    UTF-8 cannot encode (lone surrogates) escaped, so the error itself can always be sent."""
+    cut = text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    return cut.encode("utf-8", "backslashreplace").decode("utf-8")
+
 
 class GatewayError(Exception):
     """An error a client sees: HTTP status, OpenAI `type` and `code`, and the offending `param`."""
@@ -25,7 +35,9 @@ class GatewayError(Exception):
         self.message, self.param, self.headers = message, param, headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        param = None if self.param is None else quoted(self.param, QUOTE_CHARS * 2)
+        return {"error": {"message": quoted(self.message, MESSAGE_CHARS), "type": self.type, "param": param,
+                          "code": self.code}}
 
 
 class InvalidRequest(GatewayError):

@@ -16,9 +16,10 @@ from gateway import observability
 from gateway.chat import Admitted, admit
 from gateway.decoder import Piece
 from gateway.errors import (
-    ClientClosedRequest, Forbidden, GatewayError, InvalidRequest, Unauthenticated, param_of, sse_error_event,
+    ClientClosedRequest, Forbidden, GatewayError, InvalidRequest, Unauthenticated, param_of, quoted, sse_error_event,
 )
 from gateway.passthrough import Passing
+from gateway.request_body import parse_json_body
 from gateway.responses import chunk, completion_body, routing_header, usage_chunk
 from gateway.runtime import Runtime
 from gateway.schemas import ChatCompletionRequest
@@ -47,26 +48,18 @@ def authenticate(request: Request) -> Tenant:
 
 
 async def parse_chat_request(request: Request) -> ChatCompletionRequest:
-    limit = runtime_of(request).settings.server.max_body_bytes
+    server = runtime_of(request).settings.server
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise InvalidRequest(f"request body exceeds {limit} bytes")
-    raw = await request.body()
-    if len(raw) > limit:
-        raise InvalidRequest(f"request body exceeds {limit} bytes")
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object")
+    if declared.isascii() and declared.isdigit() and int(declared) > server.max_body_bytes:
+        raise InvalidRequest(f"request body exceeds {server.max_body_bytes} bytes")
+    data = parse_json_body(await request.body(), server.max_body_bytes, server.max_body_depth)
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
         error = exc.errors()[0]
         message = error["msg"]
         if error["type"] == "extra_forbidden":
-            message = f"Unrecognized request argument supplied: {error['loc'][-1]}"
+            message = f"Unrecognized request argument supplied: {quoted(str(error['loc'][-1]))}"
         raise InvalidRequest(message, param=param_of(tuple(error["loc"]), error["type"] == "extra_forbidden")) from exc
 
 
@@ -227,7 +220,7 @@ async def admin_usage(tenant_id: str, request: Request):
         raise Unauthenticated("Incorrect API key provided.")
     tenant = runtime.tenants.by_id.get(tenant_id)
     if tenant is None:
-        error = InvalidRequest(f"no tenant '{tenant_id}'", param="tenant_id")
+        error = InvalidRequest(f"no tenant '{quoted(tenant_id)}'", param="tenant_id")
         error.status, error.code = 404, "not_found"
         raise error
     return await _usage(runtime, tenant)

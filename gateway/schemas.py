@@ -6,11 +6,12 @@ path serves and which send the request whole to the upstream is decided in gatew
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, quoted
 from gateway.settings import RoutingOverride  # the `routing` extension: the same shape as a tenant's override
 
 
@@ -135,6 +136,7 @@ class ResponseFormat(Open):
     json_schema: JsonSchemaFormat | None = None
 
 
+TOKEN_ID = re.compile(r"[0-9]{1,9}")
 NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "stream", "logprobs", "frequency_penalty", "presence_penalty")
 
 
@@ -200,12 +202,19 @@ class ChatCompletionRequest(Wire):
             raise ValueError("at most 4 stop sequences")
         return stops
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_as_openai_limits_it(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None and (len(value) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in value.items())):
+            raise ValueError("metadata holds at most 16 pairs, keys of at most 64 characters, values of at most 512")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _bias_by_token_id(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, not {key!r}")
+            if not TOKEN_ID.fullmatch(key):  # ASCII digits: str.isdigit also passes "²", which int() refuses
+                raise ValueError(f"logit_bias keys are token ids, not {quoted(key)!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values are between -100 and 100, not {bias}")
         return value

@@ -1,0 +1,68 @@
+"""Reading a client's JSON body safely: size, JSON, nesting depth and text that UTF-8 can encode.
+
+Everything here runs before the body meets pydantic, litellm or an upstream, so that no body can
+cause a 500: Python's JSON parser recurses (a body nested 10,000 deep raises RecursionError), and
+JSON's `\\ud800` escapes decode to lone surrogates that fail later, wherever the text is encoded.
+The walk is iterative and names the offending field as OpenAI's `param` does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.errors import InvalidRequest, quoted
+
+
+def parse_json_body(raw: bytes, max_bytes: int, max_depth: int) -> dict[str, Any]:
+    """The body as a JSON object, or InvalidRequest (400) naming what is wrong with it."""
+    if len(raw) > max_bytes:
+        raise InvalidRequest(f"request body exceeds {max_bytes} bytes")
+    try:
+        data = json.loads(raw)
+    except RecursionError as exc:
+        raise InvalidRequest(f"request body is nested deeper than {max_depth} levels") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {str(exc)[:200]}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    check_json(data, max_depth)
+    return data
+
+
+def check_json(value: Any, max_depth: int, path: str = "") -> None:
+    """Refuse a value nested deeper than `max_depth`, or holding a string or key that is not valid
+    Unicode (a lone surrogate); `path` names `value` in the error's param."""
+    stack: list[tuple[Any, str, int]] = [(value, path, 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if depth > max_depth:
+            raise InvalidRequest(f"'{where}' is nested deeper than {max_depth} levels", param=where or None)
+        if isinstance(item, str):
+            _check_text(item, where)
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                _check_text(key, where)
+                stack.append((child, f"{where}.{key}" if where else key, depth + 1))
+        elif isinstance(item, list):
+            stack.extend((child, f"{where}[{i}]", depth + 1) for i, child in enumerate(item))
+
+
+def depth_of(value: Any) -> int:
+    """How deeply `value` nests lists and objects (a scalar is 0)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        name = f"'{quoted(where)}'" if where else "the request body"
+        raise InvalidRequest(f"{name} holds a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x}), which is not "
+                             "valid Unicode text", param=quoted(where) if where else None) from exc
