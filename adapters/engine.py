@@ -11,6 +11,9 @@ leaves the batch, saying so with `pause()`) and its KV entries stay where they a
 Finished sequences keep their tokens: a new request takes the free slot that shares the longest
 prefix with its prompt, and a longer prefix held by any other sequence (a common system prompt)
 is copied with `llama_memory_seq_cp`, which shares the KV cells instead of recomputing them.
+Both happen only within one cache scope (a tenant, or the tenants that share): a prompt that
+another tenant's cached prefix would have sped up is evaluated in full, so its time to first
+token says nothing about what other tenants asked.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class Slot:
     owner: object | None = None  # the Sequence using it; None when free
     prompt: int = 0  # its request's prompt length: what is worth keeping once the request ends
     freed_at: float = 0.0
+    scope: str = ""  # the cache scope of the request that owns it (or owned it last)
+    held_scope: str = ""  # the cache scope whose tokens `held` are (engine thread)
 
 
 @dataclass(eq=False)
@@ -71,6 +76,7 @@ class _Job:
     owner: object
     tokens: list[int]
     future: concurrent.futures.Future
+    scope: str  # its request's cache scope: it shares KV cells only with slots that hold this scope's tokens
     todo: list[int] | None = None  # tokens still to evaluate, set when the job starts
 
 
@@ -115,15 +121,15 @@ class Engine:
             raise QueueFull(f"{self._waiting} requests are waiting for the local model")
 
     @contextlib.asynccontextmanager
-    async def sequence(self, prompt: list[int]) -> AsyncIterator["Sequence"]:
-        """A sequence of its own for one request, until the block exits."""
+    async def sequence(self, prompt: list[int], scope: str = "") -> AsyncIterator["Sequence"]:
+        """A sequence of its own for one request in cache `scope`, until the block exits."""
         self._waiting += 1
         try:
             async with self._freed:
                 await self._freed.wait_for(lambda: any(slot.owner is None for slot in self._slots))
-                slot = max((s for s in self._slots if s.owner is None), key=lambda s: self._fit(s, prompt))
+                slot = max((s for s in self._slots if s.owner is None), key=lambda s: self._fit(s, prompt, scope))
                 sequence = Sequence(self, slot)
-                slot.owner, slot.prompt = sequence, len(prompt)
+                slot.owner, slot.prompt, slot.scope = sequence, len(prompt), scope
         finally:
             self._waiting -= 1
         try:
@@ -135,17 +141,17 @@ class Engine:
                 self._freed.notify()
 
     @staticmethod
-    def _fit(slot: Slot, prompt: list[int]) -> int:
-        """How well a free slot suits a prompt: the prefix it already holds, less the tokens it
-        would lose (a prefix another request may still want)."""
-        shared = common_prefix(slot.held, prompt)
+    def _fit(slot: Slot, prompt: list[int], scope: str) -> int:
+        """How well a free slot suits a prompt: the prefix it already holds (in this scope), less
+        the tokens it would lose (a prefix another request may still want)."""
+        shared = common_prefix(slot.held, prompt) if slot.scope == scope else 0
         return shared - (len(slot.held) - shared)
 
     def _submit(self, slot: Slot, owner: object, tokens: list[int]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             self._expected.discard(slot.id)
-            self._pending.append(_Job(slot, owner, tokens, future))
+            self._pending.append(_Job(slot, owner, tokens, future, slot.scope))
             self._cond.notify()
         return future
 
@@ -232,17 +238,22 @@ class Engine:
     def _prefix_coming(self, job: _Job, active: list[_Job]) -> bool:
         """Is another job about to evaluate a longer prefix of this one's tokens? Then this one
         waits and copies it (requests arriving together with the same prompt prefill it once)."""
-        have = max(common_prefix(slot.held, job.tokens) for slot in self._slots)
-        return any(other is not job and other.todo and common_prefix(other.tokens, job.tokens) >= have + SHARE_MIN_TOKENS
-                   for other in active)
+        have = max(self._held_prefix(slot, job) for slot in self._slots)
+        return any(other is not job and other.todo and other.scope == job.scope
+                   and common_prefix(other.tokens, job.tokens) >= have + SHARE_MIN_TOKENS for other in active)
+
+    @staticmethod
+    def _held_prefix(slot: Slot, job: _Job) -> int:
+        """The prefix of the job's tokens that `slot` holds and the job may use (same scope)."""
+        return common_prefix(slot.held, job.tokens) if slot.held_scope == job.scope else 0
 
     def _rewind(self, job: _Job) -> None:
         slot, tokens = job.slot, job.tokens
-        keep = min(common_prefix(slot.held, tokens), len(tokens) - 1)  # evaluate at least one token
+        keep = min(self._held_prefix(slot, job), len(tokens) - 1)  # evaluate at least one token
         donor, shared = None, keep
         if len(tokens) - keep >= SHARE_MIN_TOKENS:
             for other in self._slots:
-                length = min(common_prefix(other.held, tokens), len(tokens) - 1)
+                length = min(self._held_prefix(other, job), len(tokens) - 1)
                 if other is not slot and length >= shared + SHARE_MIN_TOKENS:
                     donor, shared = other, length
         if donor is not None:
@@ -251,7 +262,7 @@ class Engine:
             keep = shared
         else:
             llama_cpp.llama_memory_seq_rm(self._memory, slot.id, keep, -1)
-        slot.held = tokens[:keep]
+        slot.held, slot.held_scope = tokens[:keep], job.scope
         job.todo = tokens[keep:]
 
     def _step(self, jobs: list[_Job]) -> list[_Job]:

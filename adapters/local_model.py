@@ -79,9 +79,9 @@ class LocalModel:
         """Raise QueueFull when a new request would wait behind too many others."""
         self.engine.check_admission()
 
-    def sequence(self, prompt: list[int]) -> contextlib.AbstractAsyncContextManager[Sequence]:
-        """A sequence of the engine for one request (see Engine.sequence)."""
-        return self.engine.sequence(prompt)
+    def sequence(self, prompt: list[int], scope: str = "") -> contextlib.AbstractAsyncContextManager[Sequence]:
+        """A sequence of the engine for one request in cache `scope` (see Engine.sequence)."""
+        return self.engine.sequence(prompt, scope)
 
     # -- tokens and text (read-only on the vocabulary: safe outside the engine) --
 

@@ -1,7 +1,8 @@
 """Upstream models through litellm: continue a partial answer for a few tokens.
 
 One class for every provider; how a half-written assistant message is continued depends on the
-provider (see DESIGN.md) and is set per upstream by `mode`:
+provider (each provider documents its own form; the README's table sums them up) and is set per
+upstream by `mode`:
 
 - tokens:        /v1/completions on token ids of the upstream's own chat template (llama-server,
                  vLLM). A request's hand-offs extend one id sequence: only text new since the last
@@ -18,6 +19,7 @@ provider (see DESIGN.md) and is set per upstream by `mode`:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -40,8 +42,9 @@ litellm.disable_aiohttp_transport = True  # httpx: its aiohttp sessions leak on 
 for _name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
     logging.getLogger(_name).setLevel(logging.WARNING)  # it logs every call at INFO
 
+from adapters.cache_isolation import CacheSalt, Hidden, Isolation, Shared, TenantSlots  # noqa: E402
 from adapters.chat_template import COMMON_CONTROL, neutralize  # noqa: E402
-from adapters.upstream_usage import read_usage  # noqa: E402
+from adapters.upstream_usage import CallUsage, read_usage  # noqa: E402
 from adapters.vocabulary import Vocabulary  # noqa: E402
 from gateway.settings import UpstreamSettings  # noqa: E402
 
@@ -85,7 +88,8 @@ class Handoff:
     mode), rendered once per request by `Upstream.handoff`; `answer` is set per hand-off by
     `Upstream.with_answer`. Both are already neutralized (control-token strings broken), except
     in tokens mode, where content is tokenized as plain text instead and `prefix_ids` /
-    `answer_ids` are what is sent. `request_key` names the request in providers' cache hints.
+    `answer_ids` are what is sent. `request_key` names the request in providers' cache hints;
+    `scope` is the tenant's cache scope, which the upstream's prefix cache is isolated by.
     """
 
     prefix: str
@@ -95,6 +99,7 @@ class Handoff:
     prefix_ids: tuple[int, ...] = ()
     answer_ids: tuple[int, ...] = ()
     request_key: str = ""
+    scope: str = "shared"
 
     @property
     def ids(self) -> list[int]:
@@ -165,6 +170,7 @@ class Upstream:
         self._vocab = vocab  # the upstream's own tokenizer and chat template, if known
         self._template = vocab.template if vocab else None
         self._breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_cooldown_s)
+        self.isolation = isolation_for(settings)
 
     @property
     def available(self) -> bool:
@@ -175,20 +181,20 @@ class Upstream:
         """Should a routed request send its prompt ahead of the first hand-off (`warm`)?"""
         return self.settings.warm
 
-    def handoff(self, messages: list[dict[str, Any]], continue_final: bool = False) -> Handoff:
-        """A hand-off of an empty answer; the decoder replaces `answer` as the answer grows.
+    def handoff(self, messages: list[dict[str, Any]], continue_final: bool = False, scope: str = "shared") -> Handoff:
+        """A hand-off of an empty answer in cache `scope`; the decoder replaces `answer` as the answer grows.
 
         Control-token strings in the content are neutralized: the upstream reads them as text."""
         key = uuid.uuid4().hex
         if self.settings.mode == "tokens":
             ids = self._vocab.prompt_ids(self._template.render_parts(messages, continue_final))
-            return Handoff("", messages, "", continue_final, prefix_ids=tuple(ids), request_key=key)
-        messages = [{**m, "content": self._neutral(m["content"])} for m in messages]
+            return Handoff("", messages, "", continue_final, prefix_ids=tuple(ids), request_key=key, scope=scope)
+        messages = [{**m, "content": self.neutral(m["content"])} for m in messages]
         if self.settings.mode == "completions":
             prefix = self._template.render(messages, continue_final)
         else:  # a stable serialisation, for cache keys and token estimates
             prefix = "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages) + "\x1d"
-        return Handoff(prefix, messages, "", continue_final, request_key=key)
+        return Handoff(prefix, messages, "", continue_final, request_key=key, scope=scope)
 
     def with_answer(self, handoff: Handoff, answer: str) -> Handoff:
         """The hand-off of `answer` so far, given the previous hand-off of this request.
@@ -197,7 +203,7 @@ class Upstream:
         only the new text is tokenized, together with the last id sent (so a boundary that merges
         becomes one token), and every earlier id stays as the upstream already holds it."""
         if self.settings.mode != "tokens":
-            return dataclasses.replace(handoff, answer=self._neutral(answer))
+            return dataclasses.replace(handoff, answer=self.neutral(answer))
         if answer == handoff.answer:
             return handoff
         if not handoff.answer_ids or not answer.startswith(handoff.answer):
@@ -212,7 +218,9 @@ class Upstream:
     def _api_key(self) -> str:
         return os.environ.get(self.settings.api_key_env, "") if self.settings.api_key_env else "none"
 
-    def _neutral(self, text: str) -> str:
+    def neutral(self, text: str) -> str:
+        """`text` with this upstream's control-token strings broken (the common syntaxes where its
+        vocabulary is unknown): what the upstream parses as markup arrives as plain text."""
         return neutralize(text, self._template.control if self._template else COMMON_CONTROL)
 
     @staticmethod
@@ -263,6 +271,15 @@ class Upstream:
         if s.cached_input_usd_per_mtok is not None:
             known_cached = s.cached_input_usd_per_mtok / 1e6
         return given[0], given[0] if known_cached is None else known_cached, given[1]
+
+    def billed_usage(self, response: Any) -> CallUsage:
+        """What a response (or a streamed chunk) billed, as the client may see it: with a cache that
+        is not isolated per tenant, no cached count and no compute time (they would reveal another
+        tenant's prefix), and so no cached price either."""
+        usage = read_usage(response)
+        if self.isolation.reveals_cache:
+            return usage
+        return dataclasses.replace(usage, cached_tokens=0, compute_ms=None)
 
     def estimate_cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float:
         """Price of a call of this size, `cached_tokens` of its prompt at the cached price."""
@@ -320,6 +337,29 @@ class Upstream:
         except Exception:  # noqa: BLE001 - litellm raises bare Exception for unmapped models
             return False
 
+    async def count_chat_tokens(self, params: dict[str, Any]) -> int | None:
+        """The upstream's own count of the prompt of a whole chat request (its template and tool
+        preamble included), where it can give one: llama-server renders it (/apply-template) and
+        counts it (/tokenize). None elsewhere, or when the server does not answer."""
+        if self.settings.kind != "llama-server" or not self.settings.api_base:
+            return None
+        root = self.settings.api_base.removesuffix("/").removesuffix("/v1")
+        body = {k: params[k] for k in ("messages", "tools", "tool_choice", "parallel_tool_calls") if k in params}
+        try:
+            async with httpx.AsyncClient(timeout=self.settings.timeout_s) as client:
+                rendered = (await client.post(f"{root}/apply-template", json=body)).raise_for_status().json()
+                counted = await client.post(f"{root}/tokenize", json={
+                    "content": rendered["prompt"], "add_special": True, "parse_special": True})
+                return len(counted.raise_for_status().json()["tokens"])
+        except (httpx.HTTPError, KeyError, TypeError, ValueError):
+            return None
+
+    def count_text_tokens(self, text: str) -> int:
+        """Tokens of `text` in the upstream's vocabulary where it is known, else tiktoken's count."""
+        if self._vocab is not None:
+            return self._vocab.count(text)
+        return litellm.token_counter(model="gpt-4o", text=text)
+
     def estimate_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
         """Billed prompt tokens of a whole chat request, over-estimated (tiktoken, plus 25%) so that a
         reservation rarely falls short: the upstream's template and tool rendering add their own."""
@@ -329,9 +369,10 @@ class Upstream:
             counted = litellm.token_counter(model="gpt-4o", text=json.dumps([messages, tools], default=str))
         return int(counted * 1.25) + 16
 
-    async def chat(self, params: dict[str, Any]) -> Any:
-        """Send one whole chat request (the client's fields in `params`, `stream` included) and return
-        litellm's response, or its chunk stream once the upstream has started answering.
+    async def chat(self, params: dict[str, Any], scope: str = "shared") -> Any:
+        """Send one whole chat request (the client's fields in `params`, `stream` included) in cache
+        `scope`, and return litellm's response, or its chunk stream once the upstream has started
+        answering (an async iterator that holds the call's cache lease until it ends or is closed).
 
         One attempt (the client retries, as it would with the provider); a transient failure
         counts against the circuit breaker and raises UpstreamUnavailable, a refusal (4xx) raises
@@ -340,13 +381,20 @@ class Upstream:
         if trial is None:
             raise UpstreamUnavailable(f"circuit breaker open for upstream '{self.name}'")
         s = self.settings
+        params = dict(params)
+        # The client's metadata is OpenAI's string map for the provider, never litellm's own metadata.
+        extra_body = {"metadata": params.pop("metadata")} if "metadata" in params else {}
+        lease = contextlib.AsyncExitStack()
         try:
+            extra_body.update(await lease.enter_async_context(self.isolation.lease(scope, uuid.uuid4().hex)))
             # allowed_openai_params: litellm would refuse fields it does not map for this provider
             # (verbosity, prompt_cache_key, ...); the client sent them for the upstream to judge.
             response = await litellm.acompletion(
                 model=self.chat_model, api_base=s.api_base, api_key=self._api_key, timeout=s.passthrough_timeout_s,
-                num_retries=0, allowed_openai_params=[name for name in params if name != "messages"], **params)
+                num_retries=0, allowed_openai_params=[name for name in params if name != "messages"],
+                extra_body=extra_body, **params)
         except (openai.OpenAIError, httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
+            await lease.aclose()
             transient = is_transient(exc)
             # A 500 answering a client's own request body says little about the server (llama-server
             # answers 500 to messages it cannot parse): only outages count against the breaker here.
@@ -355,10 +403,14 @@ class Upstream:
                 raise UpstreamUnavailable(f"upstream '{self.name}' failed: {type(exc).__name__}: {exc}") from exc
             raise UpstreamRejected(upstream_message(exc)) from exc
         except BaseException:
+            await lease.aclose()
             self._breaker.abandon(trial)
             raise
         self._breaker.record(True, time.monotonic(), trial)
-        return response
+        if not params.get("stream"):
+            await lease.aclose()
+            return response
+        return _leased(response, lease)
 
     async def _call(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
                     seed: int | None, extra: dict[str, Any]) -> Any:
@@ -369,15 +421,17 @@ class Upstream:
         )
         if seed is not None:
             common["seed"] = seed
-        if s.mode == "tokens":
-            return await litellm.atext_completion(prompt=handoff.ids, extra_body={"cache_prompt": True, **s.extra_body},
-                                                  **common)
-        if s.mode == "completions":
-            return await litellm.atext_completion(prompt=self.prompt_text(handoff), extra_body=s.extra_body, **common)
-        messages, extra_body = self._chat_messages(handoff)
-        messages, hints = cache_hints(s.model, messages, handoff.request_key)
-        extra_body = {**s.extra_body, **extra_body, **hints}
-        return await litellm.acompletion(messages=messages, extra_body=extra_body, **common)
+        async with self.isolation.lease(handoff.scope, handoff.request_key) as isolated:
+            if s.mode == "tokens":
+                return await litellm.atext_completion(
+                    prompt=handoff.ids, extra_body={"cache_prompt": True, **s.extra_body, **isolated}, **common)
+            if s.mode == "completions":
+                return await litellm.atext_completion(prompt=self.prompt_text(handoff),
+                                                      extra_body={**s.extra_body, **isolated}, **common)
+            messages, extra_body = self._chat_messages(handoff)
+            messages, hints = cache_hints(s.model, messages, handoff.request_key)
+            extra_body = {**s.extra_body, **extra_body, **hints, **isolated}
+            return await litellm.acompletion(messages=messages, extra_body=extra_body, **common)
 
     @staticmethod
     def _split(handoff: Handoff) -> tuple[list[dict[str, Any]], str]:
@@ -406,7 +460,7 @@ class Upstream:
         text = choice.text if self.settings.mode in ("tokens", "completions") else (choice.message.content or "")
         if self.settings.mode == "chat_fallback":
             text = strip_echo(self._split(handoff)[1], text)
-        usage = read_usage(response)
+        usage = self.billed_usage(response)
         prompt_tokens = usage.prompt_tokens or self.estimate_prompt_tokens(handoff)
         completion_tokens = usage.completion_tokens
         if completion_tokens is None:
@@ -417,6 +471,29 @@ class Upstream:
             cost_usd=self.estimate_cost(prompt_tokens, completion_tokens, usage.cached_tokens), latency_s=latency_s,
             cached_tokens=usage.cached_tokens, compute_ms=usage.compute_ms,
         )
+
+
+async def _leased(stream: Any, lease: contextlib.AsyncExitStack) -> Any:
+    """A streamed answer that, when it ends or is closed, closes the upstream's stream (so the
+    upstream stops writing) and gives its cache lease back."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        try:
+            if hasattr(stream, "aclose"):
+                await stream.aclose()
+        finally:
+            await lease.aclose()
+
+
+def isolation_for(settings: UpstreamSettings) -> Isolation:
+    """How this upstream keeps tenants apart in its prefix cache (see adapters.cache_isolation)."""
+    if settings.cache_isolation == "shared":
+        return Shared()
+    if settings.kind == "llama-server":
+        return TenantSlots.of_server(settings.api_base or "", settings.slots or 1, settings.timeout_s)
+    return CacheSalt() if settings.kind == "vllm" else Hidden()
 
 
 def cache_hints(model: str, messages: list[dict[str, Any]], key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -69,20 +69,22 @@ def server_command(gguf: Path, launch: LaunchSettings, port: int, alias: str) ->
 
 
 def forgetful_args() -> list[str]:
-    """llama-server arguments that let `UpstreamServer.forget` empty it (benchmarks and evaluations
-    measure each answer from a cold cache): no prompt cache in RAM, slot actions enabled."""
+    """llama-server arguments that let `UpstreamServer.forget` (and tenant isolation) empty its
+    slots: no prompt cache in RAM (it is shared by all slots), slot actions enabled."""
     return ["--cache-ram", "0", "--slot-save-path", tempfile.mkdtemp(prefix="llama-server-slots-")]
 
 
 class UpstreamServer:
     """A child server on 127.0.0.1 (see `server_command`), stopped with the gateway (and with its parent)."""
 
-    def __init__(self, gguf: Path, launch: LaunchSettings, alias: str) -> None:
+    def __init__(self, gguf: Path, launch: LaunchSettings, alias: str, isolated: bool = False) -> None:
         self.port = launch.port or free_port()
         self.alias = alias
         self.api_base = f"http://127.0.0.1:{self.port}/v1"
         self.restarts = 0
-        self._command = server_command(gguf, launch, self.port, alias)
+        # Tenants isolated by slot (adapters.cache_isolation): no prompt cache outside the slots,
+        # and slots that can be erased before another tenant uses them.
+        self._command = server_command(gguf, launch, self.port, alias) + (forgetful_args() if isolated else [])
         # A file, not a pipe: a chatty child would block once a pipe nobody reads fills up.
         self._log = tempfile.NamedTemporaryFile(prefix=f"upstream-{alias}-", suffix=".log", delete=False)
         self._process = self._spawn()

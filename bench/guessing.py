@@ -70,7 +70,8 @@ async def main() -> None:
     try:
         await server.wait_ready()
         settings = UpstreamSettings(model="text-completion-openai/up", api_base=server.api_base, mode="completions",
-                                    template_gguf=args.upstream, extra_body={"repeat_penalty": 1.0}, retries=0)
+                                    template_gguf=args.upstream, extra_body={"repeat_penalty": 1.0}, retries=0,
+                                    cache_isolation="shared")
         upstream = Delayed(make_upstream("up", settings), args.rtt_ms / 1000)
         walls = {"local": 0.0, "routed": 0.0, "guessing": 0.0}
         kept = routed_tokens = calls = 0

@@ -91,7 +91,7 @@ async def main() -> None:
         await server.wait_ready()
         upstream = make_upstream("up", UpstreamSettings(
             model="text-completion-openai/up", api_base=server.api_base, mode="tokens", template_gguf=args.upstream,
-            warm=True, retries=0, timeout_s=120))
+            warm=True, retries=0, timeout_s=120, cache_isolation="shared"))
         for item in load_items(args.dataset, rows=args.rows):
             for name, (up, policy, span, until) in configs.items():
                 await server.forget(launch.parallel)  # every answer starts from a cold upstream

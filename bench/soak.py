@@ -232,7 +232,7 @@ def gateway_config(params: SoakParams, redis_url: str, prefix: str) -> dict[str,
         return settings
 
     return {
-        "server": {"host": "127.0.0.1", "port": free_port()},
+        "server": {"host": "127.0.0.1", "port": free_port(), "public_metrics": True},  # scraped from loopback
         "models": {"local": {"smol": {"gguf": LOCAL_MODEL, "n_ctx": 2048, "n_threads": 1}}},
         "upstreams": {"up": {
             "model": "text-completion-openai/up", "mode": "completions",

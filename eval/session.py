@@ -101,4 +101,5 @@ def upstream_settings(options: ModelOptions, api_base: str, template_gguf: str) 
         warm=options.warm and options.upstream_mode == "tokens",
         template_gguf=template_gguf, extra_body={"repeat_penalty": 1.0}, timeout_s=options.timeout_s,
         retries=1, input_usd_per_mtok=options.input_usd_per_mtok, output_usd_per_mtok=options.output_usd_per_mtok,
+        cache_isolation="shared",  # one tenant: the upstream's cache counts are what the records measure
     )

@@ -36,11 +36,12 @@ def create_app(settings: Settings, start_runtime: RuntimeFactory = Runtime.start
         finally:
             await app.state.runtime.close()
 
-    app = FastAPI(title="routing-gateway", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="routing-gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if settings.server.docs else None)
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(playground_router)
-    observability.install(app, observability.Metrics())  # a registry per app: no process globals
+    observability.install(app, observability.Metrics(), settings.server.public_metrics)  # a registry per app
     app.add_middleware(RequestIdMiddleware)  # outermost: the id is set for every log line below it
     app.openapi = lambda: app.openapi_schema or _openapi_with_chat_body(app)
     return app

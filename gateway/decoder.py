@@ -139,7 +139,7 @@ class Decoding:
         # OpenAI's seed is any 64-bit integer; numpy's seeds are non-negative
         self._rng = np.random.default_rng(None if request.seed is None else request.seed % 2**64)
         self._upstream_closed = upstream is None
-        self._handoff = upstream.handoff(request.messages, request.continue_final) if upstream else None
+        self._handoff = upstream.handoff(request.messages, request.continue_final, gate.cache_scope) if upstream else None
         self._warming: asyncio.Future | None = None  # the warm-up call, until the first hand-off waits for it
         self._kind_of = self._token_kind if getattr(request.policy, "detailed_signal", False) else None
         self._grammar: Grammar | None = local.grammar(request.grammar) if request.grammar else None
@@ -158,7 +158,7 @@ class Decoding:
         if self._may_route() and self.upstream.warms and self.request.policy.name != "always":
             self._warming = asyncio.ensure_future(self._call_upstream(self._handoff, 0))
         try:
-            async with self.local.sequence(self.prompt_tokens) as sequence:
+            async with self.local.sequence(self.prompt_tokens, self.gate.cache_scope) as sequence:
                 while self.finish_reason is None:
                     logits = await self._forward(sequence, self.answer_tokens)
                     signal = self._signal(logits, len(self.answer_tokens))

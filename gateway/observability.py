@@ -3,7 +3,8 @@
 Every app gets its own `Metrics` (its own CollectorRegistry), so several apps can live in one
 process (tests) without clashing. Labels are deliberately few and bounded: `alias` (a configured
 alias name, or "unknown"), `status` (the HTTP status class), `source` (local/upstream/cache)
-and `reason` (an error code or a `usage.routing.degraded` reason). Tenant ids, keys and prompt
+and `reason` (an error code, a `usage.routing.degraded` reason, or the kind of field that sent a
+request through: `tool_result`, never `messages[41].role`). Tenant ids, keys and prompt
 text never become labels, and neither keys nor prompts are logged: log lines carry ids, counts
 and timings only, and a last-resort filter masks anything that looks like a bearer key.
 
@@ -32,7 +33,7 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, Unauthenticated
 
 log = logging.getLogger("gateway.requests")
 router = APIRouter()
@@ -117,14 +118,20 @@ class _QueueDepth:
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics_endpoint(request: Request) -> Response:
+    """Prometheus metrics: for the admin key only, unless `server.public_metrics`."""
+    if not request.app.state.public_metrics:
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not request.app.state.runtime.tenants.is_admin(key.strip()):
+            raise Unauthenticated("/metrics needs the admin key: send 'Authorization: Bearer <admin key>'.")
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 # -- wiring (called from create_app and its lifespan) --
 
-def install(app: FastAPI, metrics: Metrics) -> None:
-    """Serve /metrics, measure every request, and note the error code of each refused one."""
-    app.state.metrics = metrics
+def install(app: FastAPI, metrics: Metrics, public: bool = False) -> None:
+    """Serve /metrics (to the admin key only unless `public`), measure every request, and note the
+    error code of each refused one."""
+    app.state.metrics, app.state.public_metrics = metrics, public
     app.include_router(router)
     for kind, handler in list(app.exception_handlers.items()):
         app.exception_handlers[kind] = _noting_error(handler)
@@ -304,7 +311,7 @@ def count_passthrough(passing: Any) -> None:
         return
     metrics, alias, routing = record.metrics, passing.body.model, passing.routing
     record.alias, record.tenant = alias, passing.tenant.id
-    metrics.passthrough.labels(alias, passing.blocker.param).inc()
+    metrics.passthrough.labels(alias, passing.blocker.reason).inc()
     if routing:
         metrics.upstream_calls.labels(alias).inc()
         metrics.tokens.labels(alias, "upstream").inc(routing["upstream_completion_tokens"])

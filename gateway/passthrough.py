@@ -11,21 +11,23 @@ and the field that sent them there.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.store import Billed, Reservation
 from adapters.upstream import Upstream, UpstreamRejected, UpstreamUnavailable
-from adapters.upstream_usage import read_usage
 from gateway.admission import admit_rates, leave
 from gateway.budget import HandoffGate
-from gateway.errors import GatewayError, InvalidRequest, Overloaded, QuotaExceeded
+from gateway.errors import GatewayError, InvalidRequest, Overloaded, QuotaExceeded, quoted
+from gateway.request_body import depth_of
 from gateway.runtime import Alias, Runtime
 from gateway.schemas import ChatCompletionRequest, MediaPart
+from gateway.settings import ServerSettings
 from gateway.tenants import Tenant
 
 log = logging.getLogger("gateway.passthrough")
@@ -45,11 +47,17 @@ MEDIA = {"image_url": "image", "input_audio": "audio", "file": "file"}
 @dataclass(frozen=True)
 class Blocker:
     """The field that keeps a request off the token-level path, why, and the medium the upstream
-    must read (image, audio, file) if that is what it is."""
+    must read (image, audio, file) if that is what it is. `reason` is the field's kind without
+    indices (a bounded metric label); `param` names the very field, for the client and the logs."""
 
     param: str
     why: str
     medium: str | None = None
+    kind: str | None = None
+
+    @property
+    def reason(self) -> str:
+        return self.kind or self.param
 
 
 def blocker_of(body: ChatCompletionRequest, max_tokens_limit: int) -> Blocker | None:
@@ -61,14 +69,15 @@ def blocker_of(body: ChatCompletionRequest, max_tokens_limit: int) -> Blocker | 
         return Blocker("modalities", "audio output needs the upstream model")
     for i, message in enumerate(body.messages):
         if message.role in ("tool", "function"):
-            return Blocker(f"messages[{i}].role", "tool results need the upstream model")
+            return Blocker(f"messages[{i}].role", "tool results need the upstream model", kind="tool_result")
         for name in ("tool_calls", "function_call", "audio"):  # an assistant's; extra keys elsewhere
             if message.role == "assistant" and getattr(message, name):
-                return Blocker(f"messages[{i}].{name}", f"a message with {name} needs the upstream model")
+                return Blocker(f"messages[{i}].{name}", f"a message with {name} needs the upstream model",
+                               kind=f"assistant_{name}")
         for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
             if isinstance(part, MediaPart) and part.type != "refusal":
                 return Blocker(f"messages[{i}].content[{j}]", f"{part.type} parts need the upstream model",
-                               MEDIA[part.type])
+                               MEDIA[part.type], kind=f"{MEDIA[part.type]}_part")
     requested = body.requested_max_tokens
     if requested is not None and requested > max_tokens_limit:
         name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -88,18 +97,10 @@ class Passing:
     upstream: Upstream
     gate: HandoffGate
     reservation: Reservation
-    max_tokens: int
+    params: dict[str, Any]  # what the upstream is sent (see `upstream_params`)
+    prompt_tokens: int  # the prompt as counted at admission: what a call without usage is billed
     routing: dict[str, Any] = field(default_factory=dict)  # usage.routing, once the call is settled
     left: bool = False
-
-    def params(self, stream: bool) -> dict[str, Any]:
-        """The client's own fields for the upstream (the gateway's extensions left out)."""
-        params = self.body.model_dump(exclude_unset=True, by_alias=True, exclude=GATEWAY_FIELDS)
-        if self.body.max_completion_tokens is None:
-            params["max_tokens"] = self.max_tokens
-        if stream:
-            params.update(stream=True, stream_options={"include_usage": True})
-        return params
 
     async def complete(self) -> dict[str, Any]:
         """The answer as an OpenAI chat.completion body; settles the reservation."""
@@ -128,10 +129,20 @@ class Passing:
                 if body.get("choices"):
                     yield self._rename(body, "chat.completion.chunk")
         finally:  # also when the client left or the stream broke: bill what was written
-            await asyncio.shield(self._settle(usage_seen, "".join(text)))
+            # One shielded step: a cancelled stream may not await anything else after it.
+            await asyncio.shield(self._end_stream(stream, usage_seen, "".join(text)))
         options = self.body.stream_options
         if options is not None and options.include_usage:
             yield self._rename({"choices": [], "usage": self.usage()}, "chat.completion.chunk")
+
+    async def _end_stream(self, stream: Any, usage_seen: Any, text: str) -> None:
+        """Close the upstream's stream (ending its answer and giving back its cache lease), then settle."""
+        try:
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
+        finally:
+            await self._settle(usage_seen, text)
 
     async def leave(self, runtime: Runtime) -> None:
         """Give back the request's parallel slot, once."""
@@ -150,7 +161,10 @@ class Passing:
 
     async def _call(self, stream: bool) -> Any:
         try:
-            return await self.upstream.chat(self.params(stream))
+            params = self.params
+            if stream:
+                params = {**params, "stream": True, "stream_options": {"include_usage": True}}
+            return await self.upstream.chat(params, self.gate.cache_scope)
         except UpstreamRejected as exc:
             await asyncio.shield(self.gate.release(self.reservation))
             raise InvalidRequest(f"the upstream refused the request: {exc}", param=self.blocker.param) from exc
@@ -164,15 +178,15 @@ class Passing:
             raise
 
     async def _settle(self, response: Any, text: str) -> None:
-        """Bill what the upstream reported, else an estimate of what it wrote; once."""
+        """Bill what the upstream reported; without its usage (a stream cut short), the prompt as
+        counted at admission and the tokens of what it wrote. Once."""
         if self.routing:
             return
-        usage = read_usage(response)
-        messages = self.params(False)["messages"]
-        prompt = usage.prompt_tokens or self.upstream.estimate_chat_tokens(messages, self.body.tools)
+        usage = self.upstream.billed_usage(response)
+        prompt = usage.prompt_tokens or self.prompt_tokens
         completion = usage.completion_tokens
         if completion is None:
-            completion = self.upstream.estimate_chat_tokens([{"role": "assistant", "content": text}], None)
+            completion = self.upstream.count_text_tokens(text)
         cached = usage.cached_tokens
         cost = self.upstream.estimate_cost(prompt, completion, cached)
         self.routing = {
@@ -209,13 +223,17 @@ async def admit(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
     if blocker.medium and not upstream.reads(blocker.medium):
         raise InvalidRequest(f"'{blocker.param}': {blocker.why}, and this model's upstream does not read "
                              f"{blocker.medium} input", param=blocker.param)
+    check_tools(body, upstream.settings.tool_types, runtime.settings.server)
     if not upstream.available:
         raise Overloaded(f"'{blocker.param}' needs the upstream model, which is unavailable; retry shortly",
                          retry_after_s=upstream.settings.breaker_cooldown_s)
     max_tokens = body.requested_max_tokens or runtime.settings.server.max_tokens_limit
-    prompt = upstream.estimate_chat_tokens([m.model_dump(exclude_none=True) for m in body.messages], body.tools)
+    params = upstream_params(body, upstream, max_tokens)
+    prompt = await upstream.count_chat_tokens(params)
+    if prompt is None:
+        prompt = upstream.estimate_chat_tokens(params["messages"], params.get("tools"))
     answers = max_tokens * body.n
-    gate = HandoffGate(runtime.ledger, tenant.id, tenant.limits, allowed=True)
+    gate = HandoffGate(runtime.ledger, tenant.id, tenant.limits, allowed=True, cache_scope=tenant.cache_scope)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     await admit_rates(runtime, tenant, gate, request_id, prompt + answers)
     reservation = None
@@ -230,8 +248,63 @@ async def admit(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
             raise error
         raise QuotaExceeded(f"'{blocker.param}' needs the upstream model, and this tenant's upstream budget "
                             "does not cover the request")
-    return Passing(request_id, int(time.time()), tenant, body, blocker, upstream, gate, reservation,
-                   max_tokens)
+    return Passing(request_id, int(time.time()), tenant, body, blocker, upstream, gate, reservation, params, prompt)
+
+
+def upstream_params(body: ChatCompletionRequest, upstream: Upstream, max_tokens: int) -> dict[str, Any]:
+    """The client's own fields for the upstream (the gateway's extensions left out), with the
+    text of messages and tools neutralized as on the token path: control-token strings a client
+    typed reach the upstream as text, never as turns of its template."""
+    params = body.model_dump(exclude_unset=True, by_alias=True, exclude=GATEWAY_FIELDS)
+    if body.max_completion_tokens is None:
+        params["max_tokens"] = max_tokens
+    params["messages"] = [_neutral_message(m, upstream.neutral) for m in params["messages"]]
+    for name in ("tools", "functions"):
+        if name in params:
+            params[name] = _neutral_values(params[name], upstream.neutral)
+    return params
+
+
+def _neutral_message(message: dict[str, Any], neutral: Callable[[str], str]) -> dict[str, Any]:
+    """A message with its content (text and text parts) and its tool calls' arguments neutralized."""
+    message = dict(message)
+    content = message.get("content")
+    if isinstance(content, str):
+        message["content"] = neutral(content)
+    elif isinstance(content, list):
+        message["content"] = [{**p, "text": neutral(p["text"])} if p.get("type") == "text" else p for p in content]
+    if message.get("tool_calls"):
+        message["tool_calls"] = [_neutral_values(call, neutral) for call in message["tool_calls"]]
+    return message
+
+
+def _neutral_values(value: Any, neutral: Callable[[str], str]) -> Any:
+    """`value` with every string in it (not its keys) neutralized."""
+    if isinstance(value, str):
+        return neutral(value)
+    if isinstance(value, list):
+        return [_neutral_values(item, neutral) for item in value]
+    if isinstance(value, dict):
+        return {key: _neutral_values(item, neutral) for key, item in value.items()}
+    return value
+
+
+def check_tools(body: ChatCompletionRequest, tool_types: list[str], server: ServerSettings) -> None:
+    """Refuse (400) a tool of a type the upstream is not configured for (litellm would handle it
+    itself: MCP servers, web search), and a definition nested or sized past the server's limits
+    (an upstream compiles each schema, and a deep one held one for tens of seconds)."""
+    for name, tools in (("tools", body.tools or ()), ("functions", body.functions or ())):
+        for i, tool in enumerate(tools):
+            kind = tool.get("type", "function") if name == "tools" else "function"
+            if kind not in tool_types:
+                raise InvalidRequest(f"tools of type '{quoted(str(kind))}' are not served here (served: "
+                                     f"{', '.join(tool_types)})", param=f"{name}[{i}].type")
+            if depth_of(tool) > server.max_tool_schema_depth:
+                raise InvalidRequest(f"'{name}[{i}]' is nested deeper than {server.max_tool_schema_depth} levels",
+                                     param=f"{name}[{i}]")
+            if len(json.dumps(tool)) > server.max_tool_schema_bytes:
+                raise InvalidRequest(f"'{name}[{i}]' is larger than {server.max_tool_schema_bytes} bytes of JSON",
+                                     param=f"{name}[{i}]")
 
 
 def _refusal(alias: Alias, tenant: Tenant) -> str | None:

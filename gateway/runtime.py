@@ -33,9 +33,14 @@ class Alias:
     upstream: Upstream | None
     settings: AliasSettings
     router: Router | None = None  # the learned policy's router, trained for this alias's local model
-    # target_fraction's window of recent entropies, shared by the alias's requests whatever their
-    # target (the entropies do not depend on it), so a request's override adds no state
-    entropy_history: deque[float] = field(default_factory=deque)
+    # target_fraction's windows of recent entropies, one per tenant: shared by a tenant's requests
+    # whatever their target (the entropies do not depend on it), never by two tenants, whose
+    # traffic would otherwise move each other's thresholds
+    entropy_windows: dict[str, deque[float]] = field(default_factory=dict)
+
+    def entropy_window(self, tenant: str) -> deque[float]:
+        """`tenant`'s window of recent entropies on this alias (tenants are configured: bounded)."""
+        return self.entropy_windows.setdefault(tenant, deque())
 
 
 @dataclass
@@ -93,10 +98,14 @@ class Runtime:
     async def _upstream(self, name: str, settings: UpstreamSettings) -> Upstream:
         if settings.launch is not None:
             launch = settings.launch
-            server = UpstreamServer(resolve_model(launch.gguf), launch, name)
+            isolated = launch.server == "llama-server" and settings.cache_isolation == "tenant"
+            server = UpstreamServer(resolve_model(launch.gguf), launch, name, isolated=isolated)
             self.servers.append(server)
             await server.wait_ready()
-            settings = settings.model_copy(update={"api_base": server.api_base})
+            update: dict = {"api_base": server.api_base}
+            if launch.server == "llama-server":
+                update.update(kind="llama-server", slots=launch.parallel)
+            settings = settings.model_copy(update=update)
         return make_upstream(name, settings)
 
     async def close(self) -> None:

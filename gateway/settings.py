@@ -27,10 +27,20 @@ class ServerSettings(Strict):
     host: str = Field("127.0.0.1", description="Interface the HTTP server binds to.")
     port: int = Field(8000, ge=1, le=65535, description="TCP port of the HTTP server.")
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted request body.")
+    max_body_depth: int = Field(64, ge=8, le=512, description="Deepest nesting of lists and objects in a request body.")
+    max_tool_schema_depth: int = Field(
+        24, ge=2, le=256, description="Deepest nesting in one tool's (or function's) definition; deeper is a 400.")
+    max_tool_schema_bytes: int = Field(65_536, ge=256, description="Largest JSON size of one tool's definition.")
     max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
     queue_limit: int = Field(16, ge=0, description="Requests that may wait for the local model before 503.")
     drain_seconds: float = Field(30.0, ge=0, description="On SIGTERM, how long streams in flight may finish.")
+    public_metrics: bool = Field(
+        False, description="false: /metrics answers only the admin key (Prometheus: `authorization: {credentials: "
+        "<admin key>}`); true: anyone who reaches the port may scrape it.")
+    docs: bool = Field(
+        False, description="Serve /openapi.json, the gateway's API description (it names every alias). No /docs page "
+        "either way: it would load its scripts from a public CDN.")
 
 
 class LocalModelSettings(Strict):
@@ -73,7 +83,7 @@ class UpstreamSettings(Strict):
     template_gguf: str | None = Field(
         None, description="GGUF whose chat template renders prompts in completions mode (defaults to launch.gguf)."
     )
-    launch: LaunchSettings | None = Field(None, description="Start a llama-cpp-python server as a child process.")
+    launch: LaunchSettings | None = Field(None, description="Start a llama-server (or llama-cpp-python) child process.")
     extra_body: dict[str, Any] = Field(
         default_factory=dict,
         description="Provider-specific fields sent with every call, e.g. {repeat_penalty: 1.0} for "
@@ -98,6 +108,19 @@ class UpstreamSettings(Strict):
     warm: bool = Field(
         False, description="tokens mode: send the prompt (no answer) when a routed request starts, so the "
         "upstream's cache holds it by the first hand-off.")
+    kind: Literal["llama-server", "vllm", "provider"] = Field(
+        "provider", description="What serves this upstream, which says how tenants are kept apart in its prefix "
+        "cache and how a request passed through is counted: llama-server (each tenant's calls go to slots only it "
+        "has used: start it with --cache-ram 0 --slot-save-path DIR, and give `slots`; pass-through prompts are "
+        "counted with its /apply-template and /tokenize), vllm (a per-tenant cache_salt), provider (anything else). "
+        "A launched llama-server is llama-server by itself.")
+    slots: int | None = Field(None, ge=1, le=64, description="llama-server: its --parallel (a launched one: launch.parallel).")
+    cache_isolation: Literal["tenant", "shared"] = Field(
+        "tenant", description="tenant: no tenant can tell from an answer's fields or timing that another sent the same "
+        "prompt prefix (see README, Security); shared: one cache for all, with its counts reported as they are.")
+    tool_types: list[str] = Field(
+        default_factory=lambda: ["function"], description="Tool types a request passed through may carry (OpenAI's "
+        "`tools[].type`); others are a 400 rather than reaching litellm's own handlers.")
 
     @model_validator(mode="after")
     def _has_endpoint(self) -> "UpstreamSettings":
@@ -105,6 +128,8 @@ class UpstreamSettings(Strict):
             raise ValueError(f"{self.mode} mode needs template_gguf or launch (the upstream's chat template)")
         if self.warm and self.mode != "tokens":
             raise ValueError("warm needs tokens mode (a server that keeps its KV cache between calls)")
+        if self.kind == "llama-server" and self.cache_isolation == "tenant" and not (self.slots or self.launch):
+            raise ValueError("a llama-server upstream isolated by tenant needs `slots` (its --parallel)")
         return self
 
 
@@ -225,8 +250,9 @@ class TenantSettings(Strict):
     allow_upstream: bool = Field(True, description="False: data never leaves the box.")
     unsupported: Unsupported | None = Field(None, description=UNSUPPORTED_HELP + " Overrides the alias's.")
     cache_scope: Literal["tenant", "shared"] = Field(
-        "tenant", description="Continuation cache: tenant (only this tenant's requests reuse its upstream text) or "
-        "shared (reused across every tenant that also says shared: they can tell what the others asked).")
+        "tenant", description="Caches this tenant's requests reuse (the continuation cache, the local model's cached "
+        "prompt prefixes, an isolated upstream's prefix cache): tenant (its own only) or shared (also those of every "
+        "tenant that says shared: they can tell what the others asked).")
     on_budget_exhausted: Literal["local", "refuse"] = Field(
         "local", description="local: keep answering from the local model; refuse: 429 insufficient_quota."
     )

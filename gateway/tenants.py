@@ -26,6 +26,12 @@ class Tenant:
         r = self.settings.rate_limits
         return RateLimits(r.requests_per_minute, r.tokens_per_minute, r.max_parallel)
 
+    @property
+    def cache_scope(self) -> str:
+        """Whose cached prefixes and continuations this tenant's requests may reuse: its own
+        (`tenant:<id>`), or those of every tenant that says `cache_scope: shared`."""
+        return "shared" if self.settings.cache_scope == "shared" else f"tenant:{self.id}"
+
     def may_use(self, alias: str) -> bool:
         return self.settings.aliases is None or alias in self.settings.aliases
 

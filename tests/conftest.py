@@ -113,7 +113,7 @@ def qwen_upstream(qwen_path: Path) -> Iterator[str]:
 def gateway_config(upstream_base: str | None, template_gguf: str = SMOL, mode: str = "completions",
                    **overrides) -> dict:
     """A config for a test gateway: SmolLM2 local, the given upstream (completions mode against
-    llama-cpp-python's server, tokens mode against llama-server)."""
+    llama-cpp-python's server, tokens mode against llama-server), one tenant."""
     config: dict = {
         "server": {"host": "127.0.0.1", "port": free_port(), "queue_limit": 8},
         "models": {"local": {"smol": {"gguf": SMOL, "n_ctx": 2048, "n_threads": 1}}},
@@ -129,6 +129,9 @@ def gateway_config(upstream_base: str | None, template_gguf: str = SMOL, mode: s
             "template_gguf": template_gguf, "timeout_s": 30, "retries": 0,
             "extra_body": {"repeat_penalty": 1.0},
             "input_usd_per_mtok": 0.5, "output_usd_per_mtok": 1.5,
+            # one tenant, and a server started without slot isolation: its cache counts are reported
+            # as they are (tests/test_security.py checks tenant isolation on a launched llama-server)
+            "cache_isolation": "shared",
         }
         config["aliases"]["routed"] = {"local": "smol", "upstream": "up",
                                        "routing": {"policy": "entropy", "threshold": 1.0}}

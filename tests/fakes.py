@@ -69,7 +69,7 @@ class FakeLocalModel:
         return PrefixGrammar(self.vocab, text)
 
     @contextlib.asynccontextmanager
-    async def sequence(self, prompt: list[int]):
+    async def sequence(self, prompt: list[int], scope: str = ""):
         yield self
 
     def pause(self) -> None:
@@ -125,8 +125,8 @@ class FakeUpstream:
     calls: list[Handoff] = field(default_factory=list)
     extras: list[dict] = field(default_factory=list)  # each call's extra sampling parameters
 
-    def handoff(self, messages: list[dict], continue_final: bool = False) -> Handoff:
-        return Handoff("", messages, "", continue_final)
+    def handoff(self, messages: list[dict], continue_final: bool = False, scope: str = "shared") -> Handoff:
+        return Handoff("", messages, "", continue_final, scope=scope)
 
     def with_answer(self, handoff: Handoff, answer: str) -> Handoff:
         return dataclasses.replace(handoff, answer=answer)

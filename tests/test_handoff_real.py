@@ -20,7 +20,7 @@ ANSWERS = ["", "The", "The capital", "The capital of France", "The capital of Fr
 def tokens_upstream(base: str, **extra):
     settings = UpstreamSettings(model="text-completion-openai/up", api_base=base, mode="tokens", template_gguf=SMOL,
                                 timeout_s=30, retries=0, input_usd_per_mtok=1.0, output_usd_per_mtok=2.0,
-                                cached_input_usd_per_mtok=0.1, **extra)
+                                cached_input_usd_per_mtok=0.1, cache_isolation="shared", **extra)
     return make_upstream("up", settings)
 
 

@@ -66,10 +66,11 @@ async def solo(smol_path):
     model.close()
 
 
-async def greedy(local: LocalModel, tokens: list[int], steps: int, pause_every: int = 0) -> tuple[list[int], list]:
-    """`steps` greedy tokens after `tokens` on a sequence of its own, and each step's logits."""
+async def greedy(local: LocalModel, tokens: list[int], steps: int, pause_every: int = 0,
+                 scope: str = "") -> tuple[list[int], list]:
+    """`steps` greedy tokens after `tokens` on a sequence of its own (in cache `scope`), and each step's logits."""
     out, seen = [], []
-    async with local.sequence(tokens) as sequence:
+    async with local.sequence(tokens, scope) as sequence:
         for step in range(steps):
             logits = await sequence.forward(tokens + out)
             seen.append(logits)
@@ -94,9 +95,13 @@ async def test_sequences_decoded_together_match_each_decoded_alone(local, solo):
 async def test_a_sequence_joining_and_one_leaving_mid_batch_disturb_nobody(local, solo):
     first, second = prompt(local, SYSTEM_A, "Count to ten."), prompt(local, SYSTEM_B, "Tell me a tale.")
     expected = [await greedy(solo, tokens, 12) for tokens in (first, second)]
+    steps_before = local.engine.steps
     early = asyncio.create_task(greedy(local, first, 12))
-    await asyncio.sleep(0.1)  # the first is decoding when the second joins; it leaves before the second ends
+    await asyncio.sleep(0.05)  # the first is decoding when the second joins; it leaves before the second ends
     late = await greedy(local, second, 12)
+    assert early.done()  # it left while the second was still decoding
+    # they overlapped: shared steps (each alone takes 12 decode steps after its prompt)
+    assert local.engine.steps - steps_before < 2 * 12
     for batched, single in zip([await early, late], expected):
         assert_same_greedy(batched, single)
 
@@ -119,6 +124,20 @@ async def test_a_shared_system_prompt_is_copied_not_recomputed(local, solo):
     shared = common_prefix(first, again)
     assert shared > 80 and local.engine.evaluated - evaluated_before == len(again) - shared  # the rest was copied
     assert_same_step(logits, (await greedy(solo, again, 1))[1][0])
+
+
+async def test_one_tenant_never_reuses_what_another_tenant_evaluated(local, solo):
+    tokens = prompt(local, SYSTEM_B, "My account PIN is 8841. What is it?")
+    await greedy(local, tokens, 1, scope="tenant:alice")
+    before = local.engine.evaluated
+    _, [logits] = await greedy(local, tokens, 1, scope="tenant:bob")  # nothing of Alice's slot or prefix
+    assert local.engine.evaluated - before == len(tokens)
+    assert_same_step(logits, (await greedy(solo, tokens, 1))[1][0])
+    before = local.engine.evaluated
+    await greedy(local, tokens, 1, scope="tenant:alice")  # within a tenant the prefix is reused
+    assert local.engine.evaluated - before == 1
+    twins = await asyncio.gather(greedy(local, tokens, 1, scope="tenant:carol"), greedy(local, tokens, 1, scope="tenant:dan"))
+    assert twins[0][0] == twins[1][0] and local.engine.evaluated - before - 1 == 2 * len(tokens)  # two prefills
 
 
 async def test_cancelling_one_request_leaves_the_others_running(local, solo):

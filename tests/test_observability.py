@@ -17,7 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.app import create_app
 from gateway.observability import JsonFormatter, RequestIdFilter, request_id_var
 from gateway.settings import Settings
-from tests.conftest import DEMO_KEY, gateway_config, live_gateway
+from tests.conftest import ADMIN_KEY, DEMO_KEY, gateway_config, live_gateway
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 ALLOWED_LABELS = {"alias", "status", "source", "reason", "le"}
 TIGHT_KEY = "sk-tight-budget"
@@ -43,7 +45,8 @@ def fake_app():
         async def close():
             pass
         return SimpleNamespace(aliases={}, local_models={}, closed=False, close=close,
-                               tenants=SimpleNamespace(authenticate=lambda _key: None))
+                               tenants=SimpleNamespace(authenticate=lambda _key: None,
+                                                       is_admin=lambda key: key == ADMIN_KEY))
 
     return create_app(Settings.model_validate(gateway_config(None)), start_runtime=start)
 
@@ -52,10 +55,11 @@ def test_each_app_has_its_own_registry():
     first, second = fake_app(), fake_app()
     with TestClient(first) as one, TestClient(second) as two:
         assert one.post("/v1/chat/completions", json={}).status_code == 401
-        text = one.get("/metrics")
+        assert one.get("/metrics").status_code == 401  # the admin key's only, by default
+        text = one.get("/metrics", headers=ADMIN)
         assert text.status_code == 200 and text.headers["content-type"].startswith("text/plain")
         assert value(samples(text.text), "gateway_chat_requests_total", alias="unknown", status="4xx") == 1
-        assert value(samples(two.get("/metrics").text), "gateway_chat_requests_total", alias="unknown", status="4xx") == 0
+        assert value(samples(two.get("/metrics", headers=ADMIN).text), "gateway_chat_requests_total", alias="unknown", status="4xx") == 0
 
 
 def test_json_log_lines_carry_the_request_id_and_mask_keys():
@@ -109,7 +113,7 @@ def traffic(gateway):
         tight = chat(client, key=TIGHT_KEY, routing=always, prompt="Say bye.")  # not cached: must reserve
         assert chat(client, key="sk-wrong").status_code == 401
         assert chat(client, model=f"nope-{CANARY}").status_code == 404
-        metrics = client.get("/metrics")
+        metrics = client.get("/metrics", headers=ADMIN)
     assert all(r.status_code == 200 for r in (cached, local, tight))
     usages = {"stream": streamed_usage(first), "cached": cached.json()["usage"], "local": local.json()["usage"],
               "tight": tight.json()["usage"]}
@@ -189,7 +193,7 @@ def test_metrics_can_be_scraped_while_a_stream_runs(gateway):
                        "max_tokens": 8, "temperature": 0, "stream": True}
             stream = asyncio.create_task(client.post("/v1/chat/completions", json=payload,
                                                      headers={"authorization": f"Bearer {DEMO_KEY}"}))
-            scraped = await client.get("/metrics")
+            scraped = await client.get("/metrics", headers=ADMIN)
             return scraped, await stream
 
     scraped, streamed = asyncio.run(scrape_during_stream())
@@ -204,7 +208,7 @@ def test_a_dead_upstream_is_counted_and_its_errors_do_not_leak_the_prompt(tmp_pa
         dead = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"
     with live_gateway(gateway_config(dead), tmp_path) as gateway, httpx.Client(base_url=gateway.base_url, timeout=60) as client:
         response = chat(client, routing={"policy": "always"}, prompt="Say hello.")
-        metrics = samples(client.get("/metrics").text)
+        metrics = samples(client.get("/metrics", headers=ADMIN).text)
         logs = gateway.logs()
     assert response.status_code == 200
     assert response.json()["usage"]["routing"]["degraded"] == ["upstream_unavailable"]

@@ -58,7 +58,7 @@ def fuzz_gateway_config(upstream_base: str) -> dict:
     aliases = {name: {"local": "smol", "upstream": "up", "routing": {"policy": "never"}} for name in ALIASES}
     config = gateway_config(upstream_base, mode="tokens", aliases=aliases)
     # short answers: the gateway's own schema allows max_tokens up to the limit, and none means the default
-    config["server"].update(default_max_tokens=8, max_tokens_limit=16)
+    config["server"].update(default_max_tokens=8, max_tokens_limit=16, docs=True)  # docs: its /openapi.json
     return config
 
 
