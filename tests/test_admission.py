@@ -57,13 +57,24 @@ def test_full_queue_is_503_with_retry_after(gateway):
 
 
 def test_tokens_per_minute(gateway):
-    if time.time() % 60 > 50:  # the limit counts per calendar minute: keep both requests in one
-        time.sleep(61 - time.time() % 60)
-    tpm = client(gateway, "sk-tpm")
-    tpm.chat.completions.create(model="local", messages=[{"role": "user", "content": "hi"}], max_tokens=20)
-    with pytest.raises(openai.RateLimitError) as caught:  # the prompt alone is ~30 tokens, plus max_tokens
-        tpm.chat.completions.create(model="local", messages=[{"role": "user", "content": "hi"}], max_tokens=60)
-    assert caught.value.code == "rate_limit_exceeded"
+    """120 tokens a calendar minute, counted as prompt + max_tokens: a ~30-token prompt with 20 fits,
+    the same with 60 more does not, a small one still does; the refusal says when the minute ends."""
+    tpm, hi = client(gateway, "sk-tpm"), [{"role": "user", "content": "hi"}]
+    for _ in range(2):  # a pair of requests that straddles a minute's turn is tried once more
+        minute = int(time.time() // 60)
+        tpm.chat.completions.create(model="local", messages=hi, max_tokens=20)
+        try:
+            tpm.chat.completions.create(model="local", messages=hi, max_tokens=60)
+            refusal = None
+        except openai.RateLimitError as exc:
+            refusal, refused_at = exc, time.time()
+        small = tpm.chat.completions.create(model="local", messages=hi, max_tokens=1)
+        if int(time.time() // 60) == minute:
+            break
+    assert refusal is not None and refusal.code == "rate_limit_exceeded"
+    assert small.choices[0].finish_reason in ("stop", "length")  # tokens are counted, not requests
+    retry_after = int(refusal.response.headers["retry-after"])
+    assert 1 <= retry_after <= round(60 - refused_at % 60) + 1
 
 
 def test_tenant_alias_list_and_routing_override(gateway):
