@@ -24,7 +24,7 @@ from tqdm import tqdm
 from eval.datasets import DEFAULT_FILES, MAX_TOKENS, load_items, parse_rows
 
 LOCAL, UPSTREAM = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
-RUNS_DIR = Path(__file__).resolve().parent / "runs"
+RUNS_DIR = Path(__file__).resolve().parent.parent / "results" / "runs"  # records apart from the harness
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="markdown table and plot from finished runs")
     _where(report)
     report.add_argument("--rows", help="only these dataset rows, e.g. 0:200")
-    report.add_argument("--data", type=Path, help="the dataset file the run used (default: eval/data)")
+    report.add_argument("--data", type=Path, help="the dataset file the run used (default: data/)")
     report.add_argument("--configs", nargs="*", default=[], help="only these configs (default all)")
     report.add_argument("--all-items", action="store_true", help="do not restrict configs to their common items")
     report.add_argument("--match-policy", default="entropy", help="query-level points match this policy's shares")
@@ -130,7 +130,7 @@ def _where(parser: argparse.ArgumentParser) -> None:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     _where(parser)
-    parser.add_argument("--data", type=Path, help="a JSONL of the same shape (default: eval/data)")
+    parser.add_argument("--data", type=Path, help="a JSONL of the same shape (default: data/)")
     parser.add_argument("--rows", help="dataset rows, e.g. 0:200 (default all)")
     parser.add_argument("--local", default=LOCAL, help=f"local model (default {LOCAL})")
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads per model")

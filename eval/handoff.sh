@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The hand-off economics runs of docs/results.md ("What a hand-off costs"): the reference pair with
 # the upstream as llama-server in tokens mode (hand-offs extend one cached sequence), routed
-# requests warming the upstream with their prompt. Thresholds come from eval/runs/reference's
+# requests warming the upstream with their prompt. Thresholds come from results/runs/reference's
 # calibration (fitted on CommonsenseQA rows 200-299 and GSM8K rows 50-99), so the reported rows
 # are held out. Resumable: rerun to continue. Two lanes at once, one per core:
 #   nohup nice -n 15 bash eval/handoff.sh > eval-handoff.log 2>&1 &
@@ -10,9 +10,9 @@ cd "$(dirname "$0")/.."
 
 EVAL=".venv/bin/python -m eval"
 RUN=handoff
-mkdir -p eval/runs/$RUN
+mkdir -p results/runs/$RUN
 # Local-only answers do not depend on the upstream: the reference run's are reused.
-cp -n eval/runs/reference/csqa__local.jsonl eval/runs/$RUN/csqa__local.jsonl
+cp -n results/runs/reference/csqa__local.jsonl results/runs/$RUN/csqa__local.jsonl
 
 $EVAL run --dataset csqa --rows 0:200 --run-name $RUN --warm --block 10 --configs upstream \
   top1@0.3666 top1@0.3666,span=4,until=word top1@0.3666,span=16,until=sentence &

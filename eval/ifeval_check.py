@@ -1,7 +1,7 @@
 """IFEval verification with the `if-verifiable` package's checkers, importable offline.
 
 The package's top-level `__init__` imports Hugging Face `datasets` (to download IFEval), which we
-neither need nor install: the prompts come from eval/data. So we register the package's
+neither need nor install: the prompts come from data/. So we register the package's
 directory as a bare namespace before importing its checker modules, which leaves `__init__`
 unexecuted. Checkers that need NLTK's punkt data (not downloadable here) return None.
 """

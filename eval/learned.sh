@@ -8,14 +8,14 @@ cd "$(dirname "$0")/.."
 
 EVAL=".venv/bin/python -m eval"
 ROUTER=routers/csqa-qwen2.5-coder-0.5b.json
-mkdir -p eval/runs/router eval/runs/learned
+mkdir -p results/runs/router results/runs/learned
 # The FS-GEN analysis with the router's features, on the reference run's upstream answers.
-cp -n eval/runs/reference/csqa__upstream.jsonl eval/runs/router/
+cp -n results/runs/reference/csqa__upstream.jsonl results/runs/router/
 $EVAL analyze --dataset csqa --run-name router
 $EVAL calibrate --dataset csqa --run-name router --fit-rows 200:300 --eval-rows 0:200 --share 0.05 0.1 0.2 \
   --learn $ROUTER
 # Live: local, upstream and top1@0.3666 come from the hand-off runs (same code path, eval/handoff.sh).
-for config in upstream local top1@0.3666; do cp -n "eval/runs/handoff/csqa__$config.jsonl" eval/runs/learned/; done
+for config in upstream local top1@0.3666; do cp -n "results/runs/handoff/csqa__$config.jsonl" results/runs/learned/; done
 $EVAL run --dataset csqa --rows 0:200 --run-name learned --warm --block 10 --router $ROUTER --configs \
   learned@0.05 learned@0.1 learned@0.2 first@1 first@2 top1@0.1812 top1@0.2235 top1@0.3184
 # R2R's divergent labels on the fit rows (mismatches whose two greedy local roll-outs disagree on
@@ -23,10 +23,10 @@ $EVAL run --dataset csqa --rows 0:200 --run-name learned --warm --block 10 --rou
 $EVAL diverge --dataset csqa --run-name router --rows 200:300 --threads 2
 DIVERGENT=routers/csqa-divergent-qwen2.5-coder-0.5b.json
 $EVAL calibrate --dataset csqa --run-name router --fit-rows 200:300 --eval-rows 0:200 --share 0.03 0.05 0.1 \
-  --label divergent --learn $DIVERGENT --out eval/runs/router/calibrated_csqa_divergent.yaml
-mkdir -p eval/runs/learned_divergent
+  --label divergent --learn $DIVERGENT --out results/runs/router/calibrated_csqa_divergent.yaml
+mkdir -p results/runs/learned_divergent
 for config in upstream local top1@0.3184 first@1; do
-  cp -n "eval/runs/learned/csqa__$config.jsonl" eval/runs/learned_divergent/
+  cp -n "results/runs/learned/csqa__$config.jsonl" results/runs/learned_divergent/
 done
 $EVAL run --dataset csqa --rows 0:200 --run-name learned_divergent --warm --block 10 --router $DIVERGENT \
   --configs learned@0.03 learned@0.05 learned@0.1

@@ -19,9 +19,9 @@ GSM8K_ROUTER=routers/gsm8k-qwen2.5-coder-0.5b.json
 IFEVAL_ROUTER=routers/ifeval-gsm8k-qwen2.5-coder-0.5b.json
 
 gsm8k_lane() {
-  mkdir -p eval/runs/learned_gsm8k
+  mkdir -p results/runs/learned_gsm8k
   for config in local upstream top1@0.5186 learned@0.05; do
-    cp -n "eval/runs/handoff/gsm8k__$config.jsonl" eval/runs/learned_gsm8k/
+    cp -n "results/runs/handoff/gsm8k__$config.jsonl" results/runs/learned_gsm8k/
   done
   # top1 at the router's share (rows 0-31 only: on this machine each GSM8K question takes minutes
   # per config, and the paired test of the router against local-only needs the rows more)
@@ -38,8 +38,8 @@ ifeval_lane() {
   $EVAL analyze --dataset ifeval --run-name learned_ifeval --rows 100:150 --answers local
   $EVAL thresholds --dataset ifeval --run-name learned_ifeval --fit-rows 100:150 --router $GSM8K_ROUTER \
     --share 0.05 0.1 0.2 --out $IFEVAL_ROUTER
-  mkdir -p eval/runs/learned_ifeval_task
-  for config in local upstream; do cp -n "eval/runs/learned_ifeval/ifeval__$config.jsonl" eval/runs/learned_ifeval_task/; done
+  mkdir -p results/runs/learned_ifeval_task
+  for config in local upstream; do cp -n "results/runs/learned_ifeval/ifeval__$config.jsonl" results/runs/learned_ifeval_task/; done
   $EVAL run --dataset ifeval --rows 0:40 --run-name learned_ifeval_task --block 4 --router $IFEVAL_ROUTER \
     --configs learned@0.1
   $EVAL run --dataset ifeval --rows 40:100 --run-name learned_ifeval_task --block 4 --router $IFEVAL_ROUTER \

@@ -1,8 +1,8 @@
 """Run directories: one JSONL of per-item records per (dataset, config), appended as items finish.
 
-    eval/runs/<run-name>/<dataset>__<config>.jsonl   one line per item, written when it finishes
-    eval/runs/<run-name>/summary.json                rewritten after every config block
-    eval/runs/<run-name>/run.json                    models, prompts and every command that ran
+    results/runs/<run-name>/<dataset>__<config>.jsonl   one line per item, written when it finishes
+    results/runs/<run-name>/summary.json                rewritten after every config block
+    results/runs/<run-name>/run.json                    models, prompts and every command that ran
 
 A run killed mid-item loses only that item: a partly written last line is ignored when read and
 the item is decoded again on resume.

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 EVAL=".venv/bin/python -m eval"
 RUN=reference
-RUNS=eval/runs/$RUN
+RUNS=results/runs/$RUN
 ONLY=${1:-all}
 
 if [[ $ONLY == all || $ONLY == csqa ]]; then
