@@ -3,12 +3,14 @@
 Run: .venv/bin/python -m bench.isolation [--tenants 4] [--rounds 3] [--upstream qwen2.5-coder-0.5b-instruct]
 
 Two gateways in turn, identical but for the upstream's `cache_isolation` (`shared`, then
-`tenant`): SmolLM2 local, a launched llama-server upstream (two slots, one thread), every step
-routed (`always`, 4 answer tokens). Workload: `--tenants` tenants take turns asking questions
-behind one common system prompt of ~300 tokens (an assistant's instructions), each question
-asked once per round by every tenant. Printed per mode: the upstream's evaluated prompt tokens
-(billed minus cached) and compute time per request, and the oracle: the cached tokens a tenant
-sees for a question another tenant asked just before it, against one nobody asked.
+`tenant`): SmolLM2 local, a launched llama-server upstream (two slots, one thread), the first
+step routed (`first` 1, one answer token: the hand-off where another tenant's prefix could be
+reused; later hand-offs of a request extend its own cached sequence either way). Workload:
+`--tenants` tenants take turns asking questions behind one common system prompt of ~300 tokens
+(an assistant's instructions), each question asked once per round by every tenant. Printed per
+mode: the upstream's evaluated prompt tokens (billed minus cached) and compute time per
+hand-off, and the oracle: the cached tokens a tenant sees for a question another tenant asked
+just before it, against one of the same length that nobody asked.
 """
 
 from __future__ import annotations
@@ -38,13 +40,13 @@ def config(mode: str, tenants: int, upstream: str) -> dict:
         "upstreams": {"up": {"model": "text-completion-openai/up", "mode": "tokens", "timeout_s": 120,
                              "cache_isolation": mode,
                              "launch": {"gguf": upstream, "n_threads": 1, "n_ctx": 2048, "parallel": 2}}},
-        "aliases": {"routed": {"local": "smol", "upstream": "up", "routing": {"policy": "always"}}},
+        "aliases": {"routed": {"local": "smol", "upstream": "up", "routing": {"policy": "first", "threshold": 1}}},
         "tenants": [{"id": f"t{i}", "api_key_env": f"BENCH_KEY_{i}"} for i in range(tenants)],
     }
 
 
 def ask(http: httpx.Client, tenant: int, question: str) -> dict:
-    body = {"model": "routed", "max_tokens": 4, "temperature": 0,
+    body = {"model": "routed", "max_tokens": 1, "temperature": 0,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
     response = http.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer sk-bench-{tenant}"})
     return response.raise_for_status().json()["usage"]["routing"]
@@ -64,7 +66,7 @@ def run(mode: str, args: argparse.Namespace) -> dict:
                     if tenant:  # tenant 0 asked this exact prompt just before
                         after_other.append(routing["upstream_cached_tokens"])
         for tenant in range(args.tenants):  # questions nobody asked: each tenant's own baseline
-            fresh.append(ask(http, tenant, f"A question nobody asked, number {tenant}?")["upstream_cached_tokens"])
+            fresh.append(ask(http, tenant, f"{QUESTIONS[tenant]} (batch {tenant})")["upstream_cached_tokens"])
     return {"evaluated": statistics.mean(evaluated), "compute": statistics.mean(compute),
             "after_other": statistics.mean(after_other), "fresh": statistics.mean(fresh), "requests": len(evaluated)}
 
@@ -76,14 +78,14 @@ def main() -> None:
     parser.add_argument("--upstream", default="qwen2.5-coder-0.5b-instruct")
     args = parser.parse_args()
     results = {mode: run(mode, args) for mode in ("shared", "tenant")}
-    print("| cache_isolation | requests | evaluated prompt tokens / request | upstream compute ms / request | "
+    print("| cache_isolation | hand-offs | evaluated prompt tokens / hand-off | upstream compute ms / hand-off | "
           "cached tokens seen right after another tenant asked the same | cached tokens for a prompt nobody asked |")
     print("|---|---|---|---|---|---|")
     for mode, r in results.items():
         print(f"| {mode} | {r['requests']} | {r['evaluated']:.0f} | {r['compute']:.0f} | {r['after_other']:.0f} | "
               f"{r['fresh']:.0f} |")
     shared, tenant = results["shared"], results["tenant"]
-    print(f"isolation costs {tenant['compute'] / shared['compute']:.2f}x the upstream compute per request "
+    print(f"isolation costs {tenant['compute'] / shared['compute']:.2f}x the upstream compute per first hand-off "
           f"({tenant['evaluated'] / max(1.0, shared['evaluated']):.2f}x the evaluated prompt tokens)")
 
 
