@@ -15,13 +15,12 @@
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from policies import THRESHOLD_POLICIES, Policy, Router, build_policy
+from policies import THRESHOLD_POLICIES, EntropyWindow, Policy, Router, build_policy
 
 ROUTED = (*THRESHOLD_POLICIES, "target_fraction", "learned", "first")
 SPAN_RULES = ("tokens", "word", "line", "sentence")
@@ -38,7 +37,7 @@ class ConfigSpec:
     until: str = "tokens"
     # target_fraction's window of recent entropies, shared by all items of the config as the
     # gateway shares it by all requests of an alias
-    history: deque[float] = field(default_factory=deque, compare=False, repr=False)
+    window: EntropyWindow = field(default_factory=EntropyWindow, compare=False, repr=False)
 
     @property
     def uses_upstream(self) -> bool:
@@ -57,7 +56,7 @@ class ConfigSpec:
         if self.policy == "oracle":
             raise ValueError("the oracle needs the item's reference; see eval.oracle")
         if self.policy == "target_fraction":
-            return build_policy("target_fraction", target_fraction=self.value, history=self.history)
+            return build_policy("target_fraction", target_fraction=self.value, window=self.window)
         if self.policy == "learned":
             if router is None:
                 raise ValueError(f"config {self.name} needs a router: pass --router")

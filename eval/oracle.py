@@ -34,15 +34,16 @@ from adapters.local_model import LocalModel
 from adapters.upstream import Upstream
 from eval.analysis import TeacherForcer
 from eval.datasets import Item
-from policies import Route, RoutingState, Signal
+from policies import LOCAL, UPSTREAM, Decision, RoutingState, Signal
+from policies.base import PolicyDefaults
 
 MAX_REANCHORS = 8
 Reanchor = Callable[[list[int]], tuple[list[int], list[bool]]]
 
 
 @dataclass
-class Oracle:
-    """A policy-like object for one item: route where `mismatch[position]` is true."""
+class Oracle(PolicyDefaults):
+    """A policy for one item: route where `mismatch[position]` is true."""
 
     reference: list[int]
     mismatch: list[bool]
@@ -57,14 +58,14 @@ class Oracle:
     def __post_init__(self) -> None:
         self._first = (len(self.reference), int(sum(self.mismatch)))
 
-    def decide(self, signal: Signal, state: RoutingState) -> Route:
+    def decide(self, signal: Signal, state: RoutingState) -> Decision:
         position = signal.position
         current = self.answer()
         if self.gave_up_at is None and current != self.reference[:position]:
             self._follow(current, position)
         if self.gave_up_at is not None or position >= len(self.mismatch):
-            return Route.UPSTREAM
-        return Route.UPSTREAM if self.mismatch[position] else Route.LOCAL
+            return UPSTREAM
+        return UPSTREAM if self.mismatch[position] else LOCAL
 
     def _follow(self, current: list[int], position: int) -> None:
         if self.first_divergence is None:

@@ -139,7 +139,7 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, rout
     try:
         policy = build_policy(routing.policy, routing.threshold, routing.target_fraction,
                               routing.max_upstream_tokens, routing.max_upstream_share, routing.max_upstream_calls,
-                              history=alias.entropy_window(gate.tenant), router=alias.router)
+                              window=alias.entropy_window(gate.tenant), router=alias.router)
     except RouterError as exc:  # a target_fraction outside the shares the router was fitted for
         raise InvalidRequest(str(exc), param="routing.target_fraction") from exc
     request = DecodeRequest(

@@ -37,7 +37,8 @@ from gateway.logit_rules import LogitRules
 from gateway.signals import Sampling, log_softmax, sample, signal_of, token_kind
 from gateway.spans import cut_span
 from gateway.text_stream import TextReleaser
-from policies import Policy, Route, RoutingState, Signal
+from policies import LOCAL as LOCAL_STEP
+from policies import Decision, Policy, RoutingState, Signal
 
 LOCAL, UPSTREAM, CACHE = "local", "upstream", "cache"
 GUESS_LIMIT = 8  # most local tokens guessed ahead while a hand-off is in flight
@@ -141,7 +142,7 @@ class Decoding:
         self._upstream_closed = upstream is None
         self._handoff = upstream.handoff(request.messages, request.continue_final, gate.cache_scope) if upstream else None
         self._warming: asyncio.Future | None = None  # the warm-up call, until the first hand-off waits for it
-        self._kind_of = self._token_kind if getattr(request.policy, "detailed_signal", False) else None
+        self._kind_of = self._token_kind if request.policy.detailed_signal else None
         self._grammar: Grammar | None = local.grammar(request.grammar) if request.grammar else None
 
     def source_counts(self) -> dict[str, int]:
@@ -155,15 +156,16 @@ class Decoding:
         if self.upstream is not None and not self.gate.allowed:  # settled at admission
             self._upstream_closed = True
             self.usage.degrade(self.gate.refusal)
-        if self._may_route() and self.upstream.warms and self.request.policy.name != "always":
+        if self._may_route() and self.upstream.warms and self.request.policy.wants_warm_up:
             self._warming = asyncio.ensure_future(self._call_upstream(self._handoff, 0))
         try:
             async with self.local.sequence(self.prompt_tokens, self.gate.cache_scope) as sequence:
                 while self.finish_reason is None:
                     logits = await self._forward(sequence, self.answer_tokens)
                     signal = self._signal(logits, len(self.answer_tokens))
-                    if self._decide(signal) is Route.UPSTREAM:
-                        for piece in await self._upstream_step(sequence, logits, signal):
+                    decision = self._decide(signal)
+                    if decision.upstream:
+                        for piece in await self._upstream_step(sequence, logits, signal, decision.room):
                             yield piece
                     else:
                         yield await self._local_step(logits, signal)
@@ -189,7 +191,7 @@ class Decoding:
         return token_kind(self.local.token_bytes(token))
 
     def _may_route(self) -> bool:
-        return not self._upstream_closed and self.request.policy.name != "never" and self.upstream.available
+        return not self._upstream_closed and self.request.policy.routes and self.upstream.available
 
     # -- one step --
 
@@ -203,16 +205,16 @@ class Decoding:
             handoff_cost_tokens=len(self.prompt_tokens) + answered + self.request.span,
         )
 
-    def _decide(self, signal: Signal) -> Route:
+    def _decide(self, signal: Signal) -> Decision:
         wanted = self.request.policy.decide(signal, self._state())
-        if getattr(self.request.policy, "vetoed", None) == "budget" and not self._upstream_closed:
+        if wanted.vetoed == "budget" and not self._upstream_closed:
             self.usage.degrade("budget_exhausted")
-        if wanted is Route.LOCAL or self._upstream_closed or self.text.mid_character:
-            return Route.LOCAL
+        if not wanted.upstream or self._upstream_closed or self.text.mid_character:
+            return LOCAL_STEP
         if not self.upstream.available:
             self.usage.degrade("upstream_unavailable")
-            return Route.LOCAL
-        return Route.UPSTREAM
+            return LOCAL_STEP
+        return wanted
 
     async def _local_step(self, logits: np.ndarray, signal: Signal) -> Piece:
         token = sample(logits, self.request.sampling, self._rng)
@@ -239,8 +241,9 @@ class Decoding:
         self._check_end()
         return Piece(text, (token,), LOCAL, signal, logprobs)
 
-    async def _upstream_step(self, sequence: Sequence, logits: np.ndarray, signal: Signal) -> list[Piece]:
-        room = getattr(self.request.policy, "room", lambda state: None)(self._state())  # the caps' headroom
+    async def _upstream_step(self, sequence: Sequence, logits: np.ndarray, signal: Signal,
+                             room: int | None) -> list[Piece]:
+        """A hand-off of up to `room` tokens (the caps' headroom; None: the request's span)."""
         span = max(1, min(self.request.span, self.limit - len(self.answer_tokens),
                           self.request.span if room is None else room))
         if self._grammar is not None:
@@ -304,7 +307,7 @@ class Decoding:
             return []
         pieces, answered = [], len(self.answer_tokens)
         for guess in guesses[len(written):]:
-            if self.finish_reason is not None or self._decide(guess.signal) is Route.UPSTREAM:
+            if self.finish_reason is not None or self._decide(guess.signal).upstream:
                 break
             pieces.append(self._accept(guess.token, guess.logits, guess.signal))
         self.usage.guess_kept_tokens += len(self.answer_tokens) - answered

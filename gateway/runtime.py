@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -19,7 +18,7 @@ from adapters.vocabulary import Vocabulary
 from gateway.budget import Ledger
 from gateway.settings import AliasSettings, Settings, UpstreamSettings
 from gateway.tenants import TenantDirectory
-from policies import Router
+from policies import EntropyWindow, Router
 
 log = logging.getLogger("gateway.runtime")
 
@@ -36,11 +35,11 @@ class Alias:
     # target_fraction's windows of recent entropies, one per tenant: shared by a tenant's requests
     # whatever their target (the entropies do not depend on it), never by two tenants, whose
     # traffic would otherwise move each other's thresholds
-    entropy_windows: dict[str, deque[float]] = field(default_factory=dict)
+    entropy_windows: dict[str, EntropyWindow] = field(default_factory=dict)
 
-    def entropy_window(self, tenant: str) -> deque[float]:
+    def entropy_window(self, tenant: str) -> EntropyWindow:
         """`tenant`'s window of recent entropies on this alias (tenants are configured: bounded)."""
-        return self.entropy_windows.setdefault(tenant, deque())
+        return self.entropy_windows.setdefault(tenant, EntropyWindow())
 
 
 @dataclass

@@ -1,13 +1,11 @@
-"""Routing policies: small pure objects that decide, per decoding step, LOCAL or UPSTREAM."""
+"""Routing policies: small values with no I/O that decide, per decoding step, where it goes (a Decision)."""
 
 from __future__ import annotations
 
-from collections import deque
-
-from policies.base import Policy, Route, RoutingState, Signal
+from policies.base import LOCAL, UPSTREAM, Decision, Policy, Route, RoutingState, Signal
 from policies.caps import Capped
 from policies.learned import FirstTokens, LearnedAbove, Router
-from policies.target_fraction import TargetFraction
+from policies.target_fraction import EntropyWindow, TargetFraction
 from policies.thresholds import Always, EntropyAbove, MarginBelow, Never, Top1Below
 
 THRESHOLD_POLICIES = {"entropy": EntropyAbove, "top1": Top1Below, "margin": MarginBelow}
@@ -20,13 +18,13 @@ def build_policy(
     max_upstream_tokens: int | None = None,
     max_upstream_share: float | None = None,
     max_upstream_calls: int | None = None,
-    history: deque[float] | None = None,
+    window: EntropyWindow | None = None,
     router: Router | None = None,
 ) -> Policy:
     """A fresh policy for one request, wrapped in its caps.
 
-    `history` is target_fraction's window of recent entropies; pass the same deque to every
-    request of an alias so its threshold is calibrated on more than one short answer. `learned`
+    `window` is target_fraction's window of recent entropies; pass the same one to every request
+    of a tenant on an alias so its threshold is calibrated on more than one short answer. `learned`
     needs `router` and a score `threshold`, or a `target_fraction` that the router's fitted
     share thresholds turn into one; `first` routes the first `threshold` answer tokens.
     """
@@ -44,10 +42,11 @@ def build_policy(
     elif name == "first":
         inner = FirstTokens(int(threshold))
     elif name == "target_fraction":
-        inner = TargetFraction(target_fraction, history=deque() if history is None else history)
+        inner = TargetFraction(target_fraction, EntropyWindow() if window is None else window)
     else:
         raise ValueError(f"unknown routing policy {name!r}")
     return Capped(inner, max_upstream_tokens, max_upstream_share, max_upstream_calls)
 
 
-__all__ = ["Policy", "Route", "Router", "RoutingState", "Signal", "build_policy", "THRESHOLD_POLICIES"]
+__all__ = ["LOCAL", "UPSTREAM", "Decision", "EntropyWindow", "Policy", "Route", "Router", "RoutingState", "Signal", "build_policy",
+           "THRESHOLD_POLICIES"]

@@ -35,12 +35,47 @@ class RoutingState:
     handoff_cost_tokens: int = 0  # estimated billed tokens of the next hand-off
 
 
-class Policy(Protocol):
-    """A small object with no I/O: given a step's signal and state, say where the step goes.
+@dataclass(frozen=True)
+class Decision:
+    """Where one step goes. For an upstream step, `room` is the most tokens the upstream may write
+    (None: as many as the request's span); for a local one, `vetoed` says which cap turned an
+    upstream step local ("cap", or "budget" when the tenant's budget would not cover it)."""
 
-    A policy that reads `Signal.top` beyond two entries or `Signal.kind` sets `detailed_signal`;
-    the decoder computes them only then (they cost a pass over the vocabulary every step)."""
+    route: Route
+    room: int | None = None
+    vetoed: str | None = None
+
+    @property
+    def upstream(self) -> bool:
+        return self.route is Route.UPSTREAM
+
+
+LOCAL = Decision(Route.LOCAL)
+UPSTREAM = Decision(Route.UPSTREAM)
+
+
+class Policy(Protocol):
+    """A small value with no I/O: given a step's signal and the answer's state, say where the step
+    goes. What the decoder needs to know of a policy besides `decide` is declared here:
+
+    - `detailed_signal`: it reads `Signal.top` beyond two entries or `Signal.kind`, which the
+      decoder computes only then (they cost a pass over the vocabulary every step);
+    - `routes`: it may send a step upstream at all (False: the decoder never prepares a hand-off);
+    - `wants_warm_up`: a warm-up call that reads the prompt into the upstream's cache ahead of the
+      first hand-off can help (not when every step is a hand-off anyway).
+    """
 
     name: str
+    detailed_signal: bool
+    routes: bool
+    wants_warm_up: bool
 
-    def decide(self, signal: Signal, state: RoutingState) -> Route: ...
+    def decide(self, signal: Signal, state: RoutingState) -> Decision: ...
+
+
+class PolicyDefaults:
+    """The usual answers to the protocol's questions; a policy overrides what differs."""
+
+    detailed_signal = False
+    routes = True
+    wants_warm_up = True

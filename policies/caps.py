@@ -5,25 +5,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from policies.base import Policy, Route, RoutingState, Signal
+from policies.base import Decision, Policy, Route, RoutingState, Signal
 
 
-@dataclass
+@dataclass(frozen=True)
 class Capped:
     """Per-request caps on upstream answer tokens, upstream share and calls, and the budget left.
 
     `max_share` is checked against the share the answer would have if this step went upstream,
-    so the cap holds at every point of the answer, not just at its end; `room` bounds how many
-    tokens a hand-off may write (a span), so a span does not overshoot either. After each decision,
-    `vetoed` says which kind of cap turned UPSTREAM into LOCAL ("cap", "budget" or None), so the
-    caller can report a budget that ran out.
+    so the cap holds at every point of the answer, not just at its end. An upstream decision
+    carries `room`, how many tokens the hand-off may write under the caps (a span does not
+    overshoot them either); a vetoed one says which kind of cap turned it local ("cap" or
+    "budget"), so the caller can report a budget that ran out.
     """
 
     inner: Policy
     max_tokens: int | None = None
     max_share: float | None = None
     max_calls: int | None = None
-    vetoed: str | None = None
 
     @property
     def name(self) -> str:
@@ -31,14 +30,24 @@ class Capped:
 
     @property
     def detailed_signal(self) -> bool:
-        return getattr(self.inner, "detailed_signal", False)
+        return self.inner.detailed_signal
 
-    def decide(self, signal: Signal, state: RoutingState) -> Route:
-        self.vetoed = None
-        if self.inner.decide(signal, state) is Route.LOCAL:
-            return Route.LOCAL
-        self.vetoed = self._veto(state)
-        return Route.LOCAL if self.vetoed else Route.UPSTREAM
+    @property
+    def routes(self) -> bool:
+        return self.inner.routes
+
+    @property
+    def wants_warm_up(self) -> bool:
+        return self.inner.wants_warm_up
+
+    def decide(self, signal: Signal, state: RoutingState) -> Decision:
+        wanted = self.inner.decide(signal, state)
+        if not wanted.upstream:
+            return wanted
+        vetoed = self._veto(state)
+        if vetoed:
+            return Decision(Route.LOCAL, vetoed=vetoed)
+        return Decision(Route.UPSTREAM, room=self.room(state))
 
     def room(self, state: RoutingState) -> int | None:
         """How many upstream tokens the token and share caps allow from this step on, counting each

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import Route, RoutingState, Signal
+from policies.base import LOCAL, UPSTREAM, Decision, PolicyDefaults, RoutingState, Signal
 
 FORMAT = "routing-gateway/learned-router@1"
 KINDS = ("word", "digit", "punct", "newline")  # one-hot; "piece" (inside a word) is the baseline
@@ -102,7 +102,7 @@ class Router:
 
 
 @dataclass
-class LearnedAbove:
+class LearnedAbove(PolicyDefaults):
     """Route when the router's score (the predicted chance that the step carries its training
     label: the local token is not the upstream's, or, for a divergent-label router, changes the
     answer) exceeds the threshold."""
@@ -110,19 +110,19 @@ class LearnedAbove:
     router: Router
     threshold: float
     name: str = "learned"
-    detailed_signal: bool = True
+    detailed_signal = True
 
-    def decide(self, signal: Signal, state: RoutingState) -> Route:
-        return Route.UPSTREAM if self.router.score(features(signal)) > self.threshold else Route.LOCAL
+    def decide(self, signal: Signal, state: RoutingState) -> Decision:
+        return UPSTREAM if self.router.score(features(signal)) > self.threshold else LOCAL
 
 
 @dataclass
-class FirstTokens:
+class FirstTokens(PolicyDefaults):
     """Route the first `count` answer tokens and nothing else (a baseline: on CommonsenseQA the
     answer letter is the first token)."""
 
     count: int
     name: str = "first"
 
-    def decide(self, signal: Signal, state: RoutingState) -> Route:
-        return Route.UPSTREAM if signal.position < self.count else Route.LOCAL
+    def decide(self, signal: Signal, state: RoutingState) -> Decision:
+        return UPSTREAM if signal.position < self.count else LOCAL

@@ -4,57 +4,59 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies.base import Route, RoutingState, Signal
+from policies.base import LOCAL, UPSTREAM, Decision, PolicyDefaults, RoutingState, Signal
 
 
 @dataclass
-class Never:
+class Never(PolicyDefaults):
     """Local only: the small-model baseline."""
 
     name: str = "never"
+    routes = False
 
-    def decide(self, signal: Signal, state: RoutingState) -> Route:
-        return Route.LOCAL
+    def decide(self, signal: Signal, state: RoutingState) -> Decision:
+        return LOCAL
 
 
 @dataclass
-class Always:
+class Always(PolicyDefaults):
     """Every step upstream: the large-model baseline through the same path."""
 
     name: str = "always"
+    wants_warm_up = False
 
-    def decide(self, signal: Signal, state: RoutingState) -> Route:
-        return Route.UPSTREAM
+    def decide(self, signal: Signal, state: RoutingState) -> Decision:
+        return UPSTREAM
 
 
 @dataclass
-class EntropyAbove:
+class EntropyAbove(PolicyDefaults):
     """Route when the next-token entropy (nats) exceeds the threshold."""
 
     threshold: float
     name: str = "entropy"
 
-    def decide(self, signal: Signal, state: RoutingState) -> Route:
-        return Route.UPSTREAM if signal.entropy > self.threshold else Route.LOCAL
+    def decide(self, signal: Signal, state: RoutingState) -> Decision:
+        return UPSTREAM if signal.entropy > self.threshold else LOCAL
 
 
 @dataclass
-class Top1Below:
+class Top1Below(PolicyDefaults):
     """Route when the top-1 probability is below the threshold."""
 
     threshold: float
     name: str = "top1"
 
-    def decide(self, signal: Signal, state: RoutingState) -> Route:
-        return Route.UPSTREAM if signal.top1 < self.threshold else Route.LOCAL
+    def decide(self, signal: Signal, state: RoutingState) -> Decision:
+        return UPSTREAM if signal.top1 < self.threshold else LOCAL
 
 
 @dataclass
-class MarginBelow:
+class MarginBelow(PolicyDefaults):
     """Route when p1 - p2 is below the threshold."""
 
     threshold: float
     name: str = "margin"
 
-    def decide(self, signal: Signal, state: RoutingState) -> Route:
-        return Route.UPSTREAM if signal.margin < self.threshold else Route.LOCAL
+    def decide(self, signal: Signal, state: RoutingState) -> Decision:
+        return UPSTREAM if signal.margin < self.threshold else LOCAL

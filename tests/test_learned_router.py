@@ -16,14 +16,15 @@ from gateway.decoder import DecodeRequest, Decoding
 from gateway.errors import InvalidRequest
 from gateway.settings import RoutingOverride, RoutingSettings
 from gateway.signals import signal_of, token_kind
-from policies import Route, RoutingState, build_policy
+from policies import LOCAL, UPSTREAM, RoutingState, build_policy
+from policies.base import PolicyDefaults
 from policies.learned import FEATURES, Router, RouterError, features
 from tests.fakes import FakeLocalModel, synthetic
 
 VOCAB = ["Paris", " is", " nice", " 42", ".", "\n", *sorted(set("Paris is nice 42."))]
 
 
-class Recording:
+class Recording(PolicyDefaults):
     """A policy that routes nothing and keeps every (detailed) signal it is shown."""
 
     name = "recording"
@@ -34,7 +35,7 @@ class Recording:
 
     def decide(self, signal, state):
         self.signals.append(signal)
-        return Route.LOCAL
+        return LOCAL
 
 
 async def test_features_are_read_from_the_decoders_own_signals():
@@ -126,7 +127,7 @@ def test_learned_policy_routes_above_its_threshold_and_needs_a_router():
     scores = [router.score(features(signal_of(np.array([v, 0.0, 0.0, 0.0]), 1))) for v in (0.0, 8.0)]
     decisions = [policy.decide(signal_of(np.array([v, 0.0, 0.0, 0.0]), 1), RoutingState()) for v in (0.0, 8.0)]
     threshold = router.threshold_for_share(0.2)
-    assert decisions == [Route.UPSTREAM if s > threshold else Route.LOCAL for s in scores]
+    assert decisions == [UPSTREAM if s > threshold else LOCAL for s in scores]
     alias = RoutingSettings(policy="entropy", threshold=2.0)
     with pytest.raises(InvalidRequest) as refused:
         resolve_routing(alias, RoutingOverride(policy="learned", target_fraction=0.1))
@@ -134,7 +135,7 @@ def test_learned_policy_routes_above_its_threshold_and_needs_a_router():
     with_router = RoutingSettings(policy="entropy", threshold=2.0, router="router.json")
     assert resolve_routing(with_router, RoutingOverride(policy="learned", target_fraction=0.1)).policy == "learned"
     first = resolve_routing(alias, RoutingOverride(policy="first", threshold=2))
-    assert build_policy(first.policy, first.threshold).decide(signal_of(np.zeros(3), 1), RoutingState()) is Route.UPSTREAM
+    assert build_policy(first.policy, first.threshold).decide(signal_of(np.zeros(3), 1), RoutingState()).upstream
     with pytest.raises(InvalidRequest):
         resolve_routing(alias, RoutingOverride(policy="first", threshold=1.5))
 

@@ -1,11 +1,11 @@
-"""Routing policies: pure objects, tested on synthetic signal streams."""
+"""Routing policies: small values with no I/O, tested on synthetic signal streams."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from policies import Route, RoutingState, Signal, build_policy
+from policies import EntropyWindow, Route, RoutingState, Signal, build_policy
 
 
 def signal(entropy: float = 1.0, top1: float = 0.5, margin: float = 0.2, position: int = 0) -> Signal:
@@ -22,23 +22,23 @@ def signal(entropy: float = 1.0, top1: float = 0.5, margin: float = 0.2, positio
 )
 def test_threshold_policies_route_on_their_signal(name, threshold, routed, kept):
     policy = build_policy(name, threshold=threshold)
-    assert policy.decide(routed, RoutingState()) is Route.UPSTREAM
-    assert policy.decide(kept, RoutingState()) is Route.LOCAL
+    assert policy.decide(routed, RoutingState()).upstream
+    assert policy.decide(kept, RoutingState()).route is Route.LOCAL
 
 
 def test_never_and_always_ignore_the_signal():
     for value in (0.0, 5.0):
-        assert build_policy("never").decide(signal(entropy=value), RoutingState()) is Route.LOCAL
-        assert build_policy("always").decide(signal(entropy=value), RoutingState()) is Route.UPSTREAM
+        assert build_policy("never").decide(signal(entropy=value), RoutingState()).route is Route.LOCAL
+        assert build_policy("always").decide(signal(entropy=value), RoutingState()).upstream
 
 
 def test_caps_veto_upstream():
     state = RoutingState(answer_tokens=10, upstream_tokens=3, upstream_calls=3)
-    assert build_policy("always", max_upstream_tokens=3).decide(signal(), state) is Route.LOCAL
-    assert build_policy("always", max_upstream_tokens=4).decide(signal(), state) is Route.UPSTREAM
-    assert build_policy("always", max_upstream_share=0.3).decide(signal(), state) is Route.LOCAL  # 4/11 > 0.3
-    assert build_policy("always", max_upstream_share=0.4).decide(signal(), state) is Route.UPSTREAM
-    assert build_policy("always", max_upstream_calls=3).decide(signal(), state) is Route.LOCAL
+    assert build_policy("always", max_upstream_tokens=3).decide(signal(), state).route is Route.LOCAL
+    assert build_policy("always", max_upstream_tokens=4).decide(signal(), state).upstream
+    assert build_policy("always", max_upstream_share=0.3).decide(signal(), state).route is Route.LOCAL  # 4/11 > 0.3
+    assert build_policy("always", max_upstream_share=0.4).decide(signal(), state).upstream
+    assert build_policy("always", max_upstream_calls=3).decide(signal(), state).route is Route.LOCAL
 
 
 @pytest.mark.parametrize("answer, upstream", [(0, 0), (10, 3), (37, 5), (100, 40)])
@@ -55,11 +55,26 @@ def test_room_takes_the_tightest_cap_and_none_without_token_caps():
     assert build_policy("always", max_upstream_calls=2).room(state) is None
 
 
+def test_a_capped_decision_says_why_it_was_vetoed_and_how_far_it_may_go():
+    broke = RoutingState(answer_tokens=10, upstream_tokens=3, budget_tokens_left=99, handoff_cost_tokens=100)
+    assert build_policy("always").decide(signal(), broke).vetoed == "budget"
+    assert build_policy("always", max_upstream_tokens=3).decide(signal(), broke).vetoed == "cap"
+    granted = build_policy("always", max_upstream_tokens=5).decide(signal(), RoutingState(10, 3))
+    assert granted.upstream and granted.room == 2 and granted.vetoed is None
+    assert build_policy("always").decide(signal(), RoutingState(10, 3)).room is None  # no token cap: the span
+
+
+def test_policies_declare_what_the_decoder_needs():
+    assert not build_policy("never").routes and build_policy("entropy", threshold=1.0).routes
+    assert not build_policy("always").wants_warm_up and build_policy("top1", threshold=0.5).wants_warm_up
+    assert not build_policy("margin", threshold=0.1).detailed_signal
+
+
 def test_budget_left_is_a_hard_cap():
     policy = build_policy("always")
-    assert policy.decide(signal(), RoutingState(budget_tokens_left=99, handoff_cost_tokens=100)) is Route.LOCAL
-    assert policy.decide(signal(), RoutingState(budget_tokens_left=100, handoff_cost_tokens=100)) is Route.UPSTREAM
-    assert policy.decide(signal(), RoutingState(budget_tokens_left=None, handoff_cost_tokens=10**9)) is Route.UPSTREAM
+    assert policy.decide(signal(), RoutingState(budget_tokens_left=99, handoff_cost_tokens=100)).route is Route.LOCAL
+    assert policy.decide(signal(), RoutingState(budget_tokens_left=100, handoff_cost_tokens=100)).upstream
+    assert policy.decide(signal(), RoutingState(budget_tokens_left=None, handoff_cost_tokens=10**9)).upstream
 
 
 def run_target(target: float, entropies: np.ndarray) -> tuple[float, list[float], list[float]]:
@@ -68,7 +83,7 @@ def run_target(target: float, entropies: np.ndarray) -> tuple[float, list[float]
     upstream, routed, kept = 0, [], []
     for position, value in enumerate(entropies):
         state = RoutingState(answer_tokens=position, upstream_tokens=upstream)
-        if policy.decide(signal(entropy=float(value), position=position), state) is Route.UPSTREAM:
+        if policy.decide(signal(entropy=float(value), position=position), state).upstream:
             upstream += 1
             routed.append(value)
         else:
@@ -92,17 +107,15 @@ def test_target_fraction_tracks_target_through_a_level_shift(target):
 @pytest.mark.parametrize("target", [0.1, 0.25])
 def test_target_fraction_holds_over_many_short_answers_with_a_shared_window(target):
     """Short answers (CommonsenseQA-like, 6 tokens) each get a fresh policy but share the window."""
-    from collections import deque
-
     rng = np.random.default_rng(3)
-    history: deque[float] = deque()
+    window = EntropyWindow()
     routed = total = 0
     for _ in range(300):
-        policy = build_policy("target_fraction", target_fraction=target, history=history)
+        policy = build_policy("target_fraction", target_fraction=target, window=window)
         upstream = 0
         for position, value in enumerate(rng.gamma(2.0, 0.6, size=6)):
             state = RoutingState(answer_tokens=position, upstream_tokens=upstream)
-            if policy.decide(signal(entropy=float(value), position=position), state) is Route.UPSTREAM:
+            if policy.decide(signal(entropy=float(value), position=position), state).upstream:
                 upstream += 1
         routed, total = routed + upstream, total + 6
     assert abs(routed / total - target) <= 0.03, routed / total
