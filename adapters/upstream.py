@@ -24,29 +24,22 @@ import dataclasses
 import functools
 import hashlib
 import json
-import logging
 import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import openai
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the price map at import
-import litellm  # noqa: E402
-
-litellm.suppress_debug_info = True
-litellm.disable_aiohttp_transport = True  # httpx: its aiohttp sessions leak on failed calls
-for _name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
-    logging.getLogger(_name).setLevel(logging.WARNING)  # it logs every call at INFO
-
-from adapters.cache_isolation import CacheSalt, Hidden, Isolation, Shared, TenantSlots  # noqa: E402
-from adapters.chat_template import COMMON_CONTROL, neutralize  # noqa: E402
-from adapters.upstream_usage import CallUsage, read_usage  # noqa: E402
-from adapters.vocabulary import Vocabulary  # noqa: E402
-from gateway.settings import UpstreamSettings  # noqa: E402
+from adapters.cache_isolation import CacheSalt, Hidden, Isolation, Shared, TenantSlots
+from adapters.chat_template import COMMON_CONTROL, neutralize
+from adapters.litellm_client import litellm
+from adapters.pricing import Prices
+from adapters.upstream_settings import UpstreamSettings
+from adapters.upstream_usage import CallUsage, read_usage
+from adapters.vocabulary import Vocabulary
 
 FALLBACK_INSTRUCTION = (
     "Continue your previous answer exactly where it stopped, mid-word if needed. "
@@ -116,6 +109,34 @@ class Continuation:
     latency_s: float
     cached_tokens: int = 0  # prompt tokens the upstream read from its cache
     compute_ms: float | None = None  # the upstream's own prompt + generation time, where it reports it
+
+
+class Continuations(Protocol):
+    """What the decoder asks of an upstream: hand-offs of a growing answer, what they will cost, and
+    the calls that continue them. `Upstream` is one; a wrapper that meters calls is another."""
+
+    @property
+    def available(self) -> bool: ...  # would a call pass the circuit breaker now?
+
+    @property
+    def warms(self) -> bool: ...  # should a routed request send its prompt ahead of the first hand-off?
+
+    @property
+    def worst_case_s(self) -> float: ...  # the longest one `continue_text` call can take
+
+    def handoff(self, messages: list[dict[str, Any]], continue_final: bool = False,
+                scope: str = "shared") -> Handoff: ...
+
+    def with_answer(self, handoff: Handoff, answer: str) -> Handoff: ...
+
+    def cache_key(self, handoff: Handoff, max_tokens: int, scope: str) -> str: ...
+
+    def estimate_prompt_tokens(self, handoff: Handoff) -> int: ...
+
+    def estimate_cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float: ...
+
+    async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
+                            seed: int | None, extra: dict[str, Any] | None = None) -> Continuation: ...
 
 
 class CircuitBreaker:
@@ -250,27 +271,13 @@ class Upstream:
         text = self.prompt_text(handoff)
         if self._vocab is not None:
             return self._vocab.count(text)
-        return int(litellm.token_counter(model="gpt-4o", text=text) * 1.25) + 8
+        return int(litellm().token_counter(model="gpt-4o", text=text) * 1.25) + 8
 
     @functools.cached_property
-    def prices(self) -> tuple[float, float, float]:
-        """USD per token: (input, cached input, output). The configured prices, else litellm's map,
-        else 0. Cached input without a known price costs the full input price: a discount nobody
-        stated is never assumed."""
+    def prices(self) -> Prices:
+        """USD per token (adapters.pricing): the configured prices, else litellm's map, else 0."""
         s = self.settings
-        if s.input_usd_per_mtok is not None or s.output_usd_per_mtok is not None:
-            given = (s.input_usd_per_mtok or 0.0) / 1e6, (s.output_usd_per_mtok or 0.0) / 1e6
-            known_cached = None
-        else:
-            try:
-                info = litellm.get_model_info(s.model)
-            except Exception:  # noqa: BLE001 - litellm raises bare Exception for unmapped models
-                info = {}
-            given = info.get("input_cost_per_token") or 0.0, info.get("output_cost_per_token") or 0.0
-            known_cached = info.get("cache_read_input_token_cost")
-        if s.cached_input_usd_per_mtok is not None:
-            known_cached = s.cached_input_usd_per_mtok / 1e6
-        return given[0], given[0] if known_cached is None else known_cached, given[1]
+        return Prices.of(s.model, s.input_usd_per_mtok, s.output_usd_per_mtok, s.cached_input_usd_per_mtok)
 
     def billed_usage(self, response: Any) -> CallUsage:
         """What a response (or a streamed chunk) billed, as the client may see it: with a cache that
@@ -283,8 +290,7 @@ class Upstream:
 
     def estimate_cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float:
         """Price of a call of this size, `cached_tokens` of its prompt at the cached price."""
-        fresh, cached, output = self.prices
-        return (prompt_tokens - cached_tokens) * fresh + cached_tokens * cached + completion_tokens * output
+        return self.prices.cost(prompt_tokens, completion_tokens, cached_tokens)
 
     async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float,
                             top_p: float, seed: int | None, extra: dict[str, Any] | None = None) -> Continuation:
@@ -330,8 +336,8 @@ class Upstream:
         """Does this upstream read `medium` (image, audio or file) in messages? (`inputs`, else litellm's map.)"""
         if self.settings.inputs is not None:
             return medium in self.settings.inputs
-        check = {"image": litellm.supports_vision, "audio": litellm.supports_audio_input,
-                 "file": litellm.supports_pdf_input}[medium]
+        check = {"image": litellm().supports_vision, "audio": litellm().supports_audio_input,
+                 "file": litellm().supports_pdf_input}[medium]
         try:
             return bool(check(model=self.chat_model))
         except Exception:  # noqa: BLE001 - litellm raises bare Exception for unmapped models
@@ -358,15 +364,15 @@ class Upstream:
         """Tokens of `text` in the upstream's vocabulary where it is known, else tiktoken's count."""
         if self._vocab is not None:
             return self._vocab.count(text)
-        return litellm.token_counter(model="gpt-4o", text=text)
+        return litellm().token_counter(model="gpt-4o", text=text)
 
     def estimate_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
         """Billed prompt tokens of a whole chat request, over-estimated (tiktoken, plus 25%) so that a
         reservation rarely falls short: the upstream's template and tool rendering add their own."""
         try:
-            counted = litellm.token_counter(model="gpt-4o", messages=messages, tools=tools)
+            counted = litellm().token_counter(model="gpt-4o", messages=messages, tools=tools)
         except Exception:  # noqa: BLE001 - shapes its counter does not know (new part types): count the JSON
-            counted = litellm.token_counter(model="gpt-4o", text=json.dumps([messages, tools], default=str))
+            counted = litellm().token_counter(model="gpt-4o", text=json.dumps([messages, tools], default=str))
         return int(counted * 1.25) + 16
 
     async def chat(self, params: dict[str, Any], scope: str = "shared") -> Any:
@@ -389,7 +395,7 @@ class Upstream:
             extra_body.update(await lease.enter_async_context(self.isolation.lease(scope, uuid.uuid4().hex)))
             # allowed_openai_params: litellm would refuse fields it does not map for this provider
             # (verbosity, prompt_cache_key, ...); the client sent them for the upstream to judge.
-            response = await litellm.acompletion(
+            response = await litellm().acompletion(
                 model=self.chat_model, api_base=s.api_base, api_key=self._api_key, timeout=s.passthrough_timeout_s,
                 num_retries=0, allowed_openai_params=[name for name in params if name != "messages"],
                 extra_body=extra_body, **params)
@@ -423,15 +429,15 @@ class Upstream:
             common["seed"] = seed
         async with self.isolation.lease(handoff.scope, handoff.request_key) as isolated:
             if s.mode == "tokens":
-                return await litellm.atext_completion(
+                return await litellm().atext_completion(
                     prompt=handoff.ids, extra_body={"cache_prompt": True, **s.extra_body, **isolated}, **common)
             if s.mode == "completions":
-                return await litellm.atext_completion(prompt=self.prompt_text(handoff),
+                return await litellm().atext_completion(prompt=self.prompt_text(handoff),
                                                       extra_body={**s.extra_body, **isolated}, **common)
             messages, extra_body = self._chat_messages(handoff)
             messages, hints = cache_hints(s.model, messages, handoff.request_key)
             extra_body = {**s.extra_body, **extra_body, **hints, **isolated}
-            return await litellm.acompletion(messages=messages, extra_body=extra_body, **common)
+            return await litellm().acompletion(messages=messages, extra_body=extra_body, **common)
 
     @staticmethod
     def _split(handoff: Handoff) -> tuple[list[dict[str, Any]], str]:
@@ -464,7 +470,7 @@ class Upstream:
         prompt_tokens = usage.prompt_tokens or self.estimate_prompt_tokens(handoff)
         completion_tokens = usage.completion_tokens
         if completion_tokens is None:
-            completion_tokens = litellm.token_counter(model="gpt-4o", text=text)
+            completion_tokens = litellm().token_counter(model="gpt-4o", text=text)
         return Continuation(
             text=text, finished=choice.finish_reason == "stop",
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,

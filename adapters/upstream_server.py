@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.settings import LaunchSettings
+from adapters.upstream_settings import LaunchSettings
 
 log = logging.getLogger("gateway.upstream_server")
 

@@ -151,7 +151,7 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, rout
         rules=LogitRules.of(body.presence_penalty, body.frequency_penalty, body.logit_bias), grammar=grammar,
     )
     try:
-        decoding = Decoding(alias.local, alias.upstream, gate, request)
+        decoding = Decoding(alias.local, alias.continuations, gate, request)
     except TemplateError as exc:
         raise InvalidRequest(str(exc), param="messages") from exc
     if decoding.limit <= 0:

@@ -31,7 +31,7 @@ from adapters.engine import Sequence, common_prefix
 from adapters.grammar import Grammar
 from adapters.local_model import LocalModel
 from adapters.store import Billed
-from adapters.upstream import Continuation, Handoff, Upstream, UpstreamRejected, UpstreamUnavailable
+from adapters.upstream import Continuation, Continuations, Handoff, UpstreamRejected, UpstreamUnavailable
 from gateway.budget import HandoffGate
 from gateway.logit_rules import LogitRules
 from gateway.signals import Sampling, log_softmax, sample, signal_of, token_kind
@@ -126,7 +126,8 @@ class RoutingUsage:
 class Decoding:
     """One request's decoding. Iterate `pieces()` once; then read `finish_reason` and usage."""
 
-    def __init__(self, local: LocalModel, upstream: Upstream | None, gate: HandoffGate, request: DecodeRequest) -> None:
+    def __init__(self, local: LocalModel, upstream: Continuations | None, gate: HandoffGate,
+                 request: DecodeRequest) -> None:
         self.local, self.upstream, self.gate, self.request = local, upstream, gate, request
         prompt = local.template.render_parts(request.messages, request.continue_final)
         self.prompt_tokens: list[int] = local.tokenize_prompt(prompt)

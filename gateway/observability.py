@@ -9,7 +9,7 @@ text never become labels, and neither keys nor prompts are logged: log lines car
 and timings only, and a last-resort filter masks anything that looks like a bearer key.
 
 The decoder stays free of metrics code: `metered(admitted)` wraps its piece stream, and
-`MeteredUpstream` wraps each alias's upstream at start-up to time and count real calls.
+`MeteredUpstream` gives each alias's decoder continuations that time and count real calls.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from adapters.upstream import Continuation, Handoff, Upstream
 from gateway.errors import GatewayError, Unauthenticated
 
 log = logging.getLogger("gateway.requests")
@@ -139,14 +140,13 @@ def install(app: FastAPI, metrics: Metrics, public: bool = False) -> None:
 
 
 def instrument(runtime: Any, metrics: Metrics) -> None:
-    """Wrap each alias's upstream so its calls are counted and timed under that alias."""
+    """Meter each alias's hand-offs: its decoder's continuations count and time every call under
+    that alias (a runtime reused by a second app counts for the new one)."""
     metrics.runtime = runtime
     for name, alias in list(runtime.aliases.items()):
-        upstream = alias.upstream
-        if isinstance(upstream, MeteredUpstream):  # a runtime reused by a second app: count for the new one
-            upstream = upstream.inner
-        if upstream is not None:
-            runtime.aliases[name] = dataclasses.replace(alias, upstream=MeteredUpstream(upstream, metrics, name))
+        if alias.upstream is not None:
+            runtime.aliases[name] = dataclasses.replace(
+                alias, continuations=MeteredUpstream(alias.upstream, metrics, name))
 
 
 def _noting_error(handler):
@@ -324,23 +324,50 @@ def count_passthrough(passing: Any) -> None:
 
 
 class MeteredUpstream:
-    """An Upstream whose `continue_text` calls are counted and timed; all else is delegated."""
+    """An upstream's continuations (adapters.upstream.Continuations) with each real call counted
+    and timed under one alias; everything else is the upstream's own answer."""
 
-    def __init__(self, inner: Any, metrics: Metrics, alias: str) -> None:
+    def __init__(self, inner: Upstream, metrics: Metrics, alias: str) -> None:
         self.inner, self._metrics, self._alias = inner, metrics, alias
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    @property
+    def available(self) -> bool:
+        return self.inner.available
 
-    async def continue_text(self, *args: Any, **kwargs: Any) -> Any:
+    @property
+    def warms(self) -> bool:
+        return self.inner.warms
+
+    @property
+    def worst_case_s(self) -> float:
+        return self.inner.worst_case_s
+
+    def handoff(self, messages: list[dict[str, Any]], continue_final: bool = False, scope: str = "shared") -> Handoff:
+        return self.inner.handoff(messages, continue_final, scope)
+
+    def with_answer(self, handoff: Handoff, answer: str) -> Handoff:
+        return self.inner.with_answer(handoff, answer)
+
+    def cache_key(self, handoff: Handoff, max_tokens: int, scope: str) -> str:
+        return self.inner.cache_key(handoff, max_tokens, scope)
+
+    def estimate_prompt_tokens(self, handoff: Handoff) -> int:
+        return self.inner.estimate_prompt_tokens(handoff)
+
+    def estimate_cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float:
+        return self.inner.estimate_cost(prompt_tokens, completion_tokens, cached_tokens)
+
+    async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
+                            seed: int | None, extra: dict[str, Any] | None = None) -> Continuation:
         m, alias = self._metrics, self._alias
+        call = self.inner.continue_text(handoff, max_tokens, temperature, top_p, seed, extra)
         if not self.inner.available:
             m.upstream_errors.labels(alias, "circuit_open").inc()
-            return await self.inner.continue_text(*args, **kwargs)  # raises UpstreamUnavailable
+            return await call  # raises UpstreamUnavailable
         m.upstream_calls.labels(alias).inc()
         started = time.perf_counter()
         try:
-            continuation = await self.inner.continue_text(*args, **kwargs)
+            continuation = await call
         except Exception as exc:
             m.upstream_errors.labels(alias, _upstream_failure(exc)).inc()
             raise

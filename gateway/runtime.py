@@ -8,11 +8,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from adapters.litellm_client import litellm
 from adapters.local_model import LocalModel, system_info
 from adapters.model_files import model_sha256, resolve_model
 from adapters.redis_store import RedisStore
 from adapters.store import MemoryStore, Store
-from adapters.upstream import Upstream
+from adapters.upstream import Continuations, Upstream
 from adapters.upstream_server import UpstreamServer
 from adapters.vocabulary import Vocabulary
 from gateway.budget import Ledger
@@ -29,13 +30,18 @@ class Alias:
 
     name: str
     local: LocalModel
-    upstream: Upstream | None
+    upstream: Upstream | None  # the upstream itself: requests passed through whole call it
     settings: AliasSettings
     router: Router | None = None  # the learned policy's router, trained for this alias's local model
     # target_fraction's windows of recent entropies, one per tenant: shared by a tenant's requests
     # whatever their target (the entropies do not depend on it), never by two tenants, whose
     # traffic would otherwise move each other's thresholds
     entropy_windows: dict[str, EntropyWindow] = field(default_factory=dict)
+    continuations: Continuations | None = None  # what the decoder hands off to: the upstream, metered
+
+    def __post_init__(self) -> None:
+        if self.continuations is None:
+            object.__setattr__(self, "continuations", self.upstream)
 
     def entropy_window(self, tenant: str) -> EntropyWindow:
         """`tenant`'s window of recent entropies on this alias (tenants are configured: bounded)."""
@@ -61,6 +67,7 @@ class Runtime:
         (one-line messages); a Redis that does not answer is not an error: the gateway starts local-only.
         """
         environ = os.environ if environ is None else environ
+        litellm()  # configured once, here, rather than by whichever request first calls an upstream
         tenants = TenantDirectory(settings.tenants, environ, settings.admin_key_env)
         runtime = cls(settings, tenants, Ledger(_store(settings)))
         try:

@@ -207,8 +207,9 @@ def test_curl_sees_openai_sse_framing(gateway):
 
 
 def test_litellm_as_a_client(gateway):
-    import litellm
+    from adapters.litellm_client import litellm as configured
 
+    litellm = configured()  # as the gateway configures it: the bundled price map, no fetch
     response = litellm.completion(model="openai/routed", api_base=f"{gateway.base_url}/v1", api_key=DEMO_KEY,
                                   messages=QUESTION, max_tokens=5, temperature=0)
     assert response.choices[0].message.content

@@ -39,7 +39,9 @@ def test_usage_shapes(body, expected):
 
 
 def test_litellm_objects_are_read_like_dicts():
-    import litellm
+    from adapters.litellm_client import litellm as configured
+
+    litellm = configured()
 
     response = litellm.ModelResponse(usage=litellm.Usage(
         prompt_tokens=50, completion_tokens=5, prompt_tokens_details={"cached_tokens": 32}))
