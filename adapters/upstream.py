@@ -1,19 +1,10 @@
-"""Upstream models through litellm: continue a partial answer for a few tokens.
+"""Upstream models through litellm: continue a partial answer for a few tokens, or answer a
+request passed through whole.
 
-One class for every provider; how a half-written assistant message is continued depends on the
-provider (each provider documents its own form; the README's table sums them up) and is set per
-upstream by `mode`:
-
-- tokens:        /v1/completions on token ids of the upstream's own chat template (llama-server,
-                 vLLM). A request's hand-offs extend one id sequence: only text new since the last
-                 hand-off is tokenized, so the server's prefix cache holds everything sent before
-                 and it evaluates only the new tokens.
-- completions:   raw /v1/completions on a prompt rendered with the upstream's own chat template
-                 (vLLM, llama.cpp servers, llama-cpp-python's server).
-- chat_continue: chat with a trailing assistant message and `continue_final_message: true,
-                 add_generation_prompt: false` (vLLM, and this gateway itself).
-- chat_prefix:   chat with a trailing assistant message marked `prefix: true` (DeepSeek, Mistral).
-- chat_fallback: chat-only providers: ask to continue exactly, then strip any echoed overlap.
+`Upstream` is one upstream: its continuation mode (adapters/continuation_modes.py: how a partial
+answer is continued, per provider), retries and a circuit breaker, tenant isolation of its prefix
+cache (adapters/cache_isolation.py), what its calls billed (adapters/upstream_usage.py) and cost
+(adapters/pricing.py). `Continuations` is what the decoder asks of it.
 """
 
 from __future__ import annotations
@@ -35,17 +26,12 @@ import openai
 
 from adapters.cache_isolation import CacheSalt, Hidden, Isolation, Shared, TenantSlots
 from adapters.chat_template import COMMON_CONTROL, neutralize
+from adapters.continuation_modes import Handoff, mode_for
 from adapters.litellm_client import litellm
 from adapters.pricing import Prices
 from adapters.upstream_settings import UpstreamSettings
 from adapters.upstream_usage import CallUsage, read_usage
 from adapters.vocabulary import Vocabulary
-
-FALLBACK_INSTRUCTION = (
-    "Continue your previous answer exactly where it stopped, mid-word if needed. "
-    "Output only the continuation, without repeating any of it."
-)
-
 
 class UpstreamUnavailable(Exception):
     """The upstream failed, timed out, or its circuit breaker is open."""
@@ -71,32 +57,6 @@ def is_transient(exc: BaseException) -> bool:
     """Transport errors, time-outs, 408, 429 and 5xx: worth a retry and held against the breaker."""
     status = status_of(exc)
     return status is None or status in (408, 429) or status >= 500
-
-
-@dataclass(frozen=True)
-class Handoff:
-    """One question to the upstream: continue `answer` after `messages`.
-
-    `prefix` is the conversation as this upstream sees it (its own chat template in completions
-    mode), rendered once per request by `Upstream.handoff`; `answer` is set per hand-off by
-    `Upstream.with_answer`. Both are already neutralized (control-token strings broken), except
-    in tokens mode, where content is tokenized as plain text instead and `prefix_ids` /
-    `answer_ids` are what is sent. `request_key` names the request in providers' cache hints;
-    `scope` is the tenant's cache scope, which the upstream's prefix cache is isolated by.
-    """
-
-    prefix: str
-    messages: list[dict[str, Any]]
-    answer: str = ""
-    continue_final: bool = False
-    prefix_ids: tuple[int, ...] = ()
-    answer_ids: tuple[int, ...] = ()
-    request_key: str = ""
-    scope: str = "shared"
-
-    @property
-    def ids(self) -> list[int]:
-        return [*self.prefix_ids, *self.answer_ids]
 
 
 @dataclass(frozen=True)
@@ -184,12 +144,14 @@ class Upstream:
     """A large model that continues partial answers. Safe to share across requests."""
 
     def __init__(self, name: str, settings: UpstreamSettings, vocab: Vocabulary | None) -> None:
-        if settings.mode in ("tokens", "completions") and vocab is None:
-            raise ValueError(f"upstream '{name}': {settings.mode} mode needs the upstream's vocabulary")
         self.name = name
         self.settings = settings
         self._vocab = vocab  # the upstream's own tokenizer and chat template, if known
-        self._template = vocab.template if vocab else None
+        self._control = vocab.template.control if vocab else COMMON_CONTROL
+        try:
+            self._mode = mode_for(settings.mode, settings.model, vocab, self.neutral)
+        except ValueError as exc:
+            raise ValueError(f"upstream '{name}': {exc}") from exc
         self._breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_cooldown_s)
         self.isolation = isolation_for(settings)
 
@@ -203,37 +165,13 @@ class Upstream:
         return self.settings.warm
 
     def handoff(self, messages: list[dict[str, Any]], continue_final: bool = False, scope: str = "shared") -> Handoff:
-        """A hand-off of an empty answer in cache `scope`; the decoder replaces `answer` as the answer grows.
-
-        Control-token strings in the content are neutralized: the upstream reads them as text."""
-        key = uuid.uuid4().hex
-        if self.settings.mode == "tokens":
-            ids = self._vocab.prompt_ids(self._template.render_parts(messages, continue_final))
-            return Handoff("", messages, "", continue_final, prefix_ids=tuple(ids), request_key=key, scope=scope)
-        messages = [{**m, "content": self.neutral(m["content"])} for m in messages]
-        if self.settings.mode == "completions":
-            prefix = self._template.render(messages, continue_final)
-        else:  # a stable serialisation, for cache keys and token estimates
-            prefix = "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages) + "\x1d"
-        return Handoff(prefix, messages, "", continue_final, request_key=key, scope=scope)
+        """A hand-off of an empty answer in cache `scope`; the decoder replaces `answer` as the
+        answer grows. Content reaches the upstream as text, never as markup of its template."""
+        return self._mode.handoff(messages, continue_final, scope)
 
     def with_answer(self, handoff: Handoff, answer: str) -> Handoff:
-        """The hand-off of `answer` so far, given the previous hand-off of this request.
-
-        Text modes neutralize the answer once here. Tokens mode extends the previous answer ids:
-        only the new text is tokenized, together with the last id sent (so a boundary that merges
-        becomes one token), and every earlier id stays as the upstream already holds it."""
-        if self.settings.mode != "tokens":
-            return dataclasses.replace(handoff, answer=self.neutral(answer))
-        if answer == handoff.answer:
-            return handoff
-        if not handoff.answer_ids or not answer.startswith(handoff.answer):
-            ids = self._vocab.text_ids(answer.encode("utf-8"))
-        else:
-            last = handoff.answer_ids[-1]
-            tail = self._vocab.token_bytes(last) + answer[len(handoff.answer):].encode("utf-8")
-            ids = [*handoff.answer_ids[:-1], *self._vocab.text_ids(tail)]
-        return dataclasses.replace(handoff, answer=answer, answer_ids=tuple(ids))
+        """The hand-off of `answer` so far, given the previous hand-off of this request."""
+        return self._mode.with_answer(handoff, answer)
 
     @property
     def _api_key(self) -> str:
@@ -242,12 +180,7 @@ class Upstream:
     def neutral(self, text: str) -> str:
         """`text` with this upstream's control-token strings broken (the common syntaxes where its
         vocabulary is unknown): what the upstream parses as markup arrives as plain text."""
-        return neutralize(text, self._template.control if self._template else COMMON_CONTROL)
-
-    @staticmethod
-    def prompt_text(handoff: Handoff) -> str:
-        """The text the upstream is asked to continue."""
-        return handoff.prefix + handoff.answer
+        return neutralize(text, self._control)
 
     @property
     def worst_case_s(self) -> float:
@@ -258,20 +191,17 @@ class Upstream:
         """Key of a greedy continuation: everything that changes the upstream's answer, in `scope`
         (a tenant, or the tenants sharing a cache), hashed so no prompt text is stored in a key."""
         s = self.settings
-        prompt = handoff.ids if s.mode == "tokens" else self.prompt_text(handoff)
         parts = [scope, self.name, s.model, s.api_base, s.mode, s.extra_body, handoff.continue_final, max_tokens,
-                 prompt]
+                 self._mode.prompt(handoff)]
         return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
     def estimate_prompt_tokens(self, handoff: Handoff) -> int:
         """Billed prompt tokens of this hand-off: exact with the upstream's tokenizer, else an
         over-estimate from tiktoken (cl100k, plus 25%) so a reservation rarely falls short."""
-        if self.settings.mode == "tokens":
-            return len(handoff.prefix_ids) + len(handoff.answer_ids)
-        text = self.prompt_text(handoff)
-        if self._vocab is not None:
-            return self._vocab.count(text)
-        return int(litellm().token_counter(model="gpt-4o", text=text) * 1.25) + 8
+        exact = self._mode.prompt_tokens(handoff)
+        if exact is not None:
+            return exact
+        return int(litellm().token_counter(model="gpt-4o", text=handoff.text) * 1.25) + 8
 
     @functools.cached_property
     def prices(self) -> Prices:
@@ -428,44 +358,11 @@ class Upstream:
         if seed is not None:
             common["seed"] = seed
         async with self.isolation.lease(handoff.scope, handoff.request_key) as isolated:
-            if s.mode == "tokens":
-                return await litellm().atext_completion(
-                    prompt=handoff.ids, extra_body={"cache_prompt": True, **s.extra_body, **isolated}, **common)
-            if s.mode == "completions":
-                return await litellm().atext_completion(prompt=self.prompt_text(handoff),
-                                                      extra_body={**s.extra_body, **isolated}, **common)
-            messages, extra_body = self._chat_messages(handoff)
-            messages, hints = cache_hints(s.model, messages, handoff.request_key)
-            extra_body = {**s.extra_body, **extra_body, **hints, **isolated}
-            return await litellm().acompletion(messages=messages, extra_body=extra_body, **common)
-
-    @staticmethod
-    def _split(handoff: Handoff) -> tuple[list[dict[str, Any]], str]:
-        """The messages before the assistant's turn, and the whole partial assistant text."""
-        messages = [dict(m) for m in handoff.messages]
-        if handoff.continue_final:  # the client's own partial assistant message comes first
-            return messages[:-1], messages[-1]["content"] + handoff.answer
-        return messages, handoff.answer
-
-    def _chat_messages(self, handoff: Handoff) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """The chat messages of a hand-off, and the extra body fields its mode needs."""
-        messages, answer = self._split(handoff)
-        if not answer:
-            return messages, {}
-        mode = self.settings.mode
-        if mode == "chat_continue":
-            extra = {"continue_final_message": True, "add_generation_prompt": False}
-            return messages + [{"role": "assistant", "content": answer}], extra
-        if mode == "chat_prefix":
-            return messages + [{"role": "assistant", "content": answer, "prefix": True}], {}
-        fallback = [{"role": "assistant", "content": answer}, {"role": "user", "content": FALLBACK_INSTRUCTION}]
-        return messages + fallback, {}
+            return await self._mode.call(handoff, common, {**s.extra_body, **isolated})
 
     def _continuation(self, handoff: Handoff, response: Any, latency_s: float) -> Continuation:
         choice = response.choices[0]
-        text = choice.text if self.settings.mode in ("tokens", "completions") else (choice.message.content or "")
-        if self.settings.mode == "chat_fallback":
-            text = strip_echo(self._split(handoff)[1], text)
+        text = self._mode.text(handoff, response)
         usage = self.billed_usage(response)
         prompt_tokens = usage.prompt_tokens or self.estimate_prompt_tokens(handoff)
         completion_tokens = usage.completion_tokens
@@ -502,24 +399,6 @@ def isolation_for(settings: UpstreamSettings) -> Isolation:
     return CacheSalt() if settings.kind == "vllm" else Hidden()
 
 
-def cache_hints(model: str, messages: list[dict[str, Any]], key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """What makes one request's consecutive hand-offs read the provider's prompt cache: Anthropic
-    caches up to a `cache_control` mark (set on the last message before the answer); OpenAI and
-    Mistral route by `prompt_cache_key`. Other providers cache on their own (or not at all) and
-    get nothing they might refuse as unknown."""
-    provider = model.split("/", 1)[0]
-    if provider == "anthropic":
-        marked = [dict(m) for m in messages]
-        last = max((i for i, m in enumerate(marked) if m["role"] != "assistant"), default=None)
-        if last is not None:
-            content = marked[last]["content"]
-            marked[last]["content"] = [{"type": "text", "text": content, "cache_control": {"type": "ephemeral"}}]
-        return marked, {}
-    if provider in ("openai", "mistral"):
-        return messages, {"prompt_cache_key": key}
-    return messages, {}
-
-
 def upstream_message(exc: BaseException) -> str:
     """The upstream's own words from an error (its OpenAI-shaped body when there is one)."""
     body = getattr(exc, "body", None)
@@ -528,13 +407,3 @@ def upstream_message(exc: BaseException) -> str:
         if isinstance(error, dict) and error.get("message"):
             return str(error["message"])
     return str(getattr(exc, "message", None) or exc)
-
-
-def strip_echo(answer: str, text: str, min_overlap: int = 4) -> str:
-    """Drop the start of `text` that repeats the end of `answer` (chat-only providers echo it)."""
-    if text.startswith(answer) and answer:
-        return text[len(answer):]
-    for size in range(min(len(answer), len(text)), min_overlap - 1, -1):
-        if answer.endswith(text[:size]):
-            return text[size:]
-    return text

@@ -124,7 +124,7 @@ def _greedy_continuation(upstream: Upstream, item: Item, answer: str, max_tokens
     """The upstream's greedy continuation of `answer`, straight from its /v1/completions."""
     if max_tokens <= 0:
         return "", False
-    prompt = upstream.prompt_text(upstream.with_answer(upstream.handoff(item.messages), answer))
+    prompt = upstream.with_answer(upstream.handoff(item.messages), answer).text
     body = {"prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0.0, **upstream.settings.extra_body}
     response = httpx.post(f"{upstream.settings.api_base}/completions", json=body, timeout=upstream.settings.timeout_s)

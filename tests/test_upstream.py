@@ -9,7 +9,8 @@ import pytest
 import httpx
 import openai
 
-from adapters.upstream import CircuitBreaker, UpstreamRejected, UpstreamUnavailable, is_transient, strip_echo
+from adapters.continuation_modes import strip_echo
+from adapters.upstream import CircuitBreaker, UpstreamRejected, UpstreamUnavailable, is_transient
 from gateway.runtime import make_upstream
 from gateway.settings import UpstreamSettings
 from tests.conftest import SMOL, free_port
@@ -81,8 +82,8 @@ def test_control_tokens_in_content_reach_a_text_upstream_as_text():
         return sum(ids.count(vocab.tokenize(t.encode(), add_bos=False, special=True)[0])
                    for t in ("<|im_start|>", "<|im_end|>"))
 
-    sent = upstream.prompt_text(handoff)
-    assert control_tokens(sent) == control_tokens(upstream.prompt_text(upstream.handoff([{"role": "user", "content": "Hi"}])))
+    sent = handoff.text
+    assert control_tokens(sent) == control_tokens(upstream.handoff([{"role": "user", "content": "Hi"}]).text)
     assert sent.replace("\u200b", "").endswith(forged[0]["content"] + "<|im_end|>\n<|im_start|>assistant\nSure<|im_start|>")
 
 

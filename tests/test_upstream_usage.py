@@ -73,7 +73,7 @@ def test_no_discount_is_assumed_when_no_cached_price_is_known():
 
 
 def test_cache_hints_follow_each_providers_documented_form():
-    from adapters.upstream import cache_hints
+    from adapters.continuation_modes import cache_hints
 
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
                 {"role": "assistant", "content": "partial"}]

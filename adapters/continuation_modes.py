@@ -1,0 +1,232 @@
+"""How a partial answer is continued, one class per provider form (`upstreams.<key>.mode`).
+
+- tokens:        /v1/completions on token ids of the upstream's own chat template (llama-server,
+                 vLLM). A request's hand-offs extend one id sequence: only text new since the last
+                 hand-off is tokenized, so the server's prefix cache holds everything sent before
+                 and it evaluates only the new tokens.
+- completions:   raw /v1/completions on a prompt rendered with the upstream's own chat template
+                 (vLLM, llama.cpp servers, llama-cpp-python's server).
+- chat_continue: chat with a trailing assistant message and `continue_final_message: true,
+                 add_generation_prompt: false` (vLLM, and this gateway itself).
+- chat_prefix:   chat with a trailing assistant message marked `prefix: true` (DeepSeek, Mistral).
+- chat_fallback: chat-only providers: ask to continue exactly, then strip any echoed overlap.
+
+A mode builds hand-offs and makes the one litellm call of each; the `Upstream` around it owns
+retries, the circuit breaker, cache isolation, usage and prices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from adapters.litellm_client import litellm
+from adapters.vocabulary import Vocabulary
+
+FALLBACK_INSTRUCTION = (
+    "Continue your previous answer exactly where it stopped, mid-word if needed. "
+    "Output only the continuation, without repeating any of it."
+)
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """One question to the upstream: continue `answer` after `messages`.
+
+    `prefix` is the conversation as this upstream sees it (its own chat template in completions
+    mode), rendered once per request by the mode's `handoff`; `answer` is set per hand-off by
+    `with_answer`. Both are already neutralized (control-token strings broken), except in tokens
+    mode, where content is tokenized as plain text instead and `prefix_ids` / `answer_ids` are
+    what is sent. `request_key` names the request in providers' cache hints; `scope` is the
+    tenant's cache scope, which the upstream's prefix cache is isolated by.
+    """
+
+    prefix: str
+    messages: list[dict[str, Any]]
+    answer: str = ""
+    continue_final: bool = False
+    prefix_ids: tuple[int, ...] = ()
+    answer_ids: tuple[int, ...] = ()
+    request_key: str = ""
+    scope: str = "shared"
+
+    @property
+    def ids(self) -> list[int]:
+        return [*self.prefix_ids, *self.answer_ids]
+
+    @property
+    def text(self) -> str:
+        """The text the upstream is asked to continue (text modes)."""
+        return self.prefix + self.answer
+
+
+class TokensMode:
+    """Token ids of the upstream's own template; each hand-off extends the request's id sequence."""
+
+    def __init__(self, vocab: Vocabulary) -> None:
+        self._vocab = vocab
+
+    def handoff(self, messages: list[dict[str, Any]], continue_final: bool, scope: str) -> Handoff:
+        ids = self._vocab.prompt_ids(self._vocab.template.render_parts(messages, continue_final))
+        return Handoff("", messages, "", continue_final, prefix_ids=tuple(ids), request_key=uuid.uuid4().hex,
+                       scope=scope)
+
+    def with_answer(self, handoff: Handoff, answer: str) -> Handoff:
+        """Only the new text is tokenized, together with the last id sent (so a boundary that
+        merges becomes one token); every earlier id stays as the upstream already holds it."""
+        if answer == handoff.answer:
+            return handoff
+        if not handoff.answer_ids or not answer.startswith(handoff.answer):
+            ids = self._vocab.text_ids(answer.encode("utf-8"))
+        else:
+            last = handoff.answer_ids[-1]
+            tail = self._vocab.token_bytes(last) + answer[len(handoff.answer):].encode("utf-8")
+            ids = [*handoff.answer_ids[:-1], *self._vocab.text_ids(tail)]
+        return dataclasses.replace(handoff, answer=answer, answer_ids=tuple(ids))
+
+    def prompt(self, handoff: Handoff) -> list[int]:
+        return handoff.ids
+
+    def prompt_tokens(self, handoff: Handoff) -> int | None:
+        return len(handoff.ids)
+
+    async def call(self, handoff: Handoff, common: dict[str, Any], extra_body: dict[str, Any]) -> Any:
+        return await litellm().atext_completion(prompt=handoff.ids, extra_body={"cache_prompt": True, **extra_body},
+                                                **common)
+
+    def text(self, handoff: Handoff, response: Any) -> str:
+        return response.choices[0].text
+
+
+class TextMode:
+    """Modes that send text: content and answer arrive neutralized (control-token strings broken)."""
+
+    def __init__(self, neutral: Callable[[str], str], vocab: Vocabulary | None) -> None:
+        self._neutral, self._vocab = neutral, vocab
+
+    def handoff(self, messages: list[dict[str, Any]], continue_final: bool, scope: str) -> Handoff:
+        messages = [{**m, "content": self._neutral(m["content"])} for m in messages]
+        return Handoff(self._prefix(messages, continue_final), messages, "", continue_final,
+                       request_key=uuid.uuid4().hex, scope=scope)
+
+    def _prefix(self, messages: list[dict[str, Any]], continue_final: bool) -> str:
+        """A stable serialisation of the conversation, for cache keys and token estimates."""
+        return "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages) + "\x1d"
+
+    def with_answer(self, handoff: Handoff, answer: str) -> Handoff:
+        return dataclasses.replace(handoff, answer=self._neutral(answer))
+
+    def prompt(self, handoff: Handoff) -> str:
+        return handoff.text
+
+    def prompt_tokens(self, handoff: Handoff) -> int | None:
+        """Exact with the upstream's vocabulary, else unknown."""
+        return self._vocab.count(handoff.text) if self._vocab is not None else None
+
+
+class CompletionsMode(TextMode):
+    """The upstream's own chat template rendered as text, continued with /v1/completions."""
+
+    def _prefix(self, messages: list[dict[str, Any]], continue_final: bool) -> str:
+        return self._vocab.template.render(messages, continue_final)
+
+    async def call(self, handoff: Handoff, common: dict[str, Any], extra_body: dict[str, Any]) -> Any:
+        return await litellm().atext_completion(prompt=handoff.text, extra_body=extra_body, **common)
+
+    def text(self, handoff: Handoff, response: Any) -> str:
+        return response.choices[0].text
+
+
+class ChatMode(TextMode):
+    """Chat providers: the partial answer is a trailing assistant message, marked as the provider
+    documents (`answer_messages`), with its cache hints."""
+
+    extra_body: ClassVar[dict[str, Any]] = {}  # what the mode adds to a call that carries an answer
+
+    def __init__(self, neutral: Callable[[str], str], vocab: Vocabulary | None, model: str) -> None:
+        super().__init__(neutral, vocab)
+        self._model = model
+
+    async def call(self, handoff: Handoff, common: dict[str, Any], extra_body: dict[str, Any]) -> Any:
+        messages, answer = split(handoff)
+        added = self.answer_messages(answer) if answer else []
+        messages, hints = cache_hints(self._model, messages + added, handoff.request_key)
+        return await litellm().acompletion(
+            messages=messages, extra_body={**extra_body, **(self.extra_body if answer else {}), **hints}, **common)
+
+    def answer_messages(self, answer: str) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": answer}]
+
+    def text(self, handoff: Handoff, response: Any) -> str:
+        return response.choices[0].message.content or ""
+
+
+class ChatContinueMode(ChatMode):
+    extra_body = {"continue_final_message": True, "add_generation_prompt": False}
+
+
+class ChatPrefixMode(ChatMode):
+    def answer_messages(self, answer: str) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": answer, "prefix": True}]
+
+
+class ChatFallbackMode(ChatMode):
+    def answer_messages(self, answer: str) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": answer}, {"role": "user", "content": FALLBACK_INSTRUCTION}]
+
+    def text(self, handoff: Handoff, response: Any) -> str:
+        return strip_echo(split(handoff)[1], super().text(handoff, response))
+
+
+ContinuationMode = TokensMode | CompletionsMode | ChatMode
+
+
+def mode_for(mode: str, model: str, vocab: Vocabulary | None, neutral: Callable[[str], str]) -> ContinuationMode:
+    """The continuation mode named `mode`; tokens and completions need the upstream's vocabulary."""
+    if mode in ("tokens", "completions") and vocab is None:
+        raise ValueError(f"{mode} mode needs the upstream's vocabulary")
+    if mode == "tokens":
+        return TokensMode(vocab)
+    if mode == "completions":
+        return CompletionsMode(neutral, vocab)
+    chat = {"chat_continue": ChatContinueMode, "chat_prefix": ChatPrefixMode, "chat_fallback": ChatFallbackMode}
+    return chat[mode](neutral, vocab, model)
+
+
+def split(handoff: Handoff) -> tuple[list[dict[str, Any]], str]:
+    """The messages before the assistant's turn, and the whole partial assistant text."""
+    messages = [dict(m) for m in handoff.messages]
+    if handoff.continue_final:  # the client's own partial assistant message comes first
+        return messages[:-1], messages[-1]["content"] + handoff.answer
+    return messages, handoff.answer
+
+
+def cache_hints(model: str, messages: list[dict[str, Any]], key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """What makes one request's consecutive hand-offs read the provider's prompt cache: Anthropic
+    caches up to a `cache_control` mark (set on the last message before the answer); OpenAI and
+    Mistral route by `prompt_cache_key`. Other providers cache on their own (or not at all) and
+    get nothing they might refuse as unknown."""
+    provider = model.split("/", 1)[0]
+    if provider == "anthropic":
+        marked = [dict(m) for m in messages]
+        last = max((i for i, m in enumerate(marked) if m["role"] != "assistant"), default=None)
+        if last is not None:
+            content = marked[last]["content"]
+            marked[last]["content"] = [{"type": "text", "text": content, "cache_control": {"type": "ephemeral"}}]
+        return marked, {}
+    if provider in ("openai", "mistral"):
+        return messages, {"prompt_cache_key": key}
+    return messages, {}
+
+
+def strip_echo(answer: str, text: str, min_overlap: int = 4) -> str:
+    """Drop the start of `text` that repeats the end of `answer` (chat-only providers echo it)."""
+    if text.startswith(answer) and answer:
+        return text[len(answer):]
+    for size in range(min(len(answer), len(text)), min_overlap - 1, -1):
+        if answer.endswith(text[:size]):
+            return text[size:]
+    return text
