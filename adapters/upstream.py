@@ -4,20 +4,18 @@ request passed through whole.
 `Upstream` is one upstream: its continuation mode (adapters/continuation_modes.py: how a partial
 answer is continued, per provider), retries and a circuit breaker, tenant isolation of its prefix
 cache (adapters/cache_isolation.py), what its calls billed (adapters/upstream_usage.py) and cost
-(adapters/pricing.py). `Continuations` is what the decoder asks of it.
+(adapters/pricing.py); `Upstream.whole` sends requests passed through whole
+(adapters/whole_requests.py). `Continuations` is what the decoder asks of it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
-import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,34 +27,11 @@ from adapters.chat_template import COMMON_CONTROL, neutralize
 from adapters.continuation_modes import Handoff, mode_for
 from adapters.litellm_client import litellm
 from adapters.pricing import Prices
-from adapters.upstream_settings import UpstreamSettings
+from adapters.upstream_errors import CircuitBreaker, UpstreamRejected, UpstreamUnavailable, is_transient
+from adapters.upstream_settings import UpstreamSettings, api_key_of
 from adapters.upstream_usage import CallUsage, read_usage
 from adapters.vocabulary import Vocabulary
-
-class UpstreamUnavailable(Exception):
-    """The upstream failed, timed out, or its circuit breaker is open."""
-
-    reason = "upstream_unavailable"
-
-
-class UpstreamRejected(UpstreamUnavailable):
-    """The upstream refused this request itself (a 4xx such as context length or a content filter):
-    not retried, not held against the upstream, and the same request would be refused again."""
-
-    reason = "upstream_rejected"
-
-
-def status_of(exc: BaseException) -> int | None:
-    status = getattr(exc, "status_code", None)
-    if status is None and isinstance(exc, httpx.HTTPStatusError):
-        status = exc.response.status_code
-    return status if isinstance(status, int) else None
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Transport errors, time-outs, 408, 429 and 5xx: worth a retry and held against the breaker."""
-    status = status_of(exc)
-    return status is None or status in (408, 429) or status >= 500
+from adapters.whole_requests import WholeRequests
 
 
 @dataclass(frozen=True)
@@ -99,47 +74,6 @@ class Continuations(Protocol):
                             seed: int | None, extra: dict[str, Any] | None = None) -> Continuation: ...
 
 
-class CircuitBreaker:
-    """Closed, calls pass; `failures` transient failures in a row open it for `cooldown_s`; then it is
-    half-open: one trial call passes (others are refused meanwhile) and its outcome closes or re-opens it."""
-
-    def __init__(self, failures: int, cooldown_s: float) -> None:
-        self._limit, self._cooldown = failures, cooldown_s
-        self._consecutive = 0
-        self._opened_at: float | None = None
-        self._trial_running = False
-
-    def allows(self, now: float) -> bool:
-        """Would a call pass now? (No side effect.)"""
-        if self._opened_at is None:
-            return True
-        return not self._trial_running and now - self._opened_at >= self._cooldown
-
-    def acquire(self, now: float) -> bool | None:
-        """Let one call through: None if refused, True if it is the half-open trial, else False."""
-        if not self.allows(now):
-            return None
-        if self._opened_at is None:
-            return False
-        self._trial_running = True
-        return True
-
-    def record(self, ok: bool, now: float, trial: bool = False) -> None:
-        if trial:
-            self._trial_running = False
-        if ok:
-            self._consecutive, self._opened_at = 0, None
-            return
-        self._consecutive += 1
-        if self._consecutive >= self._limit or trial:
-            self._opened_at = now
-
-    def abandon(self, trial: bool) -> None:
-        """A call ended without an outcome (cancelled): the next caller may try."""
-        if trial:
-            self._trial_running = False
-
-
 class Upstream:
     """A large model that continues partial answers. Safe to share across requests."""
 
@@ -154,6 +88,8 @@ class Upstream:
             raise ValueError(f"upstream '{name}': {exc}") from exc
         self._breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_cooldown_s)
         self.isolation = isolation_for(settings)
+        # requests passed through whole: the same server, breaker and cache isolation
+        self.whole = WholeRequests(name, settings, vocab, self._breaker, self.isolation)
 
     @property
     def available(self) -> bool:
@@ -172,10 +108,6 @@ class Upstream:
     def with_answer(self, handoff: Handoff, answer: str) -> Handoff:
         """The hand-off of `answer` so far, given the previous hand-off of this request."""
         return self._mode.with_answer(handoff, answer)
-
-    @property
-    def _api_key(self) -> str:
-        return os.environ.get(self.settings.api_key_env, "") if self.settings.api_key_env else "none"
 
     def neutral(self, text: str) -> str:
         """`text` with this upstream's control-token strings broken (the common syntaxes where its
@@ -253,107 +185,12 @@ class Upstream:
             return self._continuation(handoff, response, time.monotonic() - started)
         raise UpstreamUnavailable(f"upstream '{self.name}' failed: {type(last).__name__}: {last}") from last
 
-    @property
-    def chat_model(self) -> str:
-        """litellm model name for whole chat requests: `chat_model`, else `model` with a text
-        completion provider read as its chat one (text-completion-openai/x -> openai/x)."""
-        provider, _, name = self.settings.model.partition("/")
-        if self.settings.chat_model:
-            return self.settings.chat_model
-        return f"openai/{name}" if provider == "text-completion-openai" else self.settings.model
-
-    def reads(self, medium: str) -> bool:
-        """Does this upstream read `medium` (image, audio or file) in messages? (`inputs`, else litellm's map.)"""
-        if self.settings.inputs is not None:
-            return medium in self.settings.inputs
-        check = {"image": litellm().supports_vision, "audio": litellm().supports_audio_input,
-                 "file": litellm().supports_pdf_input}[medium]
-        try:
-            return bool(check(model=self.chat_model))
-        except Exception:  # noqa: BLE001 - litellm raises bare Exception for unmapped models
-            return False
-
-    async def count_chat_tokens(self, params: dict[str, Any]) -> int | None:
-        """The upstream's own count of the prompt of a whole chat request (its template and tool
-        preamble included), where it can give one: llama-server renders it (/apply-template) and
-        counts it (/tokenize). None elsewhere, or when the server does not answer."""
-        if self.settings.kind != "llama-server" or not self.settings.api_base:
-            return None
-        root = self.settings.api_base.removesuffix("/").removesuffix("/v1")
-        body = {k: params[k] for k in ("messages", "tools", "tool_choice", "parallel_tool_calls") if k in params}
-        try:
-            async with httpx.AsyncClient(timeout=self.settings.timeout_s) as client:
-                rendered = (await client.post(f"{root}/apply-template", json=body)).raise_for_status().json()
-                counted = await client.post(f"{root}/tokenize", json={
-                    "content": rendered["prompt"], "add_special": True, "parse_special": True})
-                return len(counted.raise_for_status().json()["tokens"])
-        except (httpx.HTTPError, KeyError, TypeError, ValueError):
-            return None
-
-    def count_text_tokens(self, text: str) -> int:
-        """Tokens of `text` in the upstream's vocabulary where it is known, else tiktoken's count."""
-        if self._vocab is not None:
-            return self._vocab.count(text)
-        return litellm().token_counter(model="gpt-4o", text=text)
-
-    def estimate_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
-        """Billed prompt tokens of a whole chat request, over-estimated (tiktoken, plus 25%) so that a
-        reservation rarely falls short: the upstream's template and tool rendering add their own."""
-        try:
-            counted = litellm().token_counter(model="gpt-4o", messages=messages, tools=tools)
-        except Exception:  # noqa: BLE001 - shapes its counter does not know (new part types): count the JSON
-            counted = litellm().token_counter(model="gpt-4o", text=json.dumps([messages, tools], default=str))
-        return int(counted * 1.25) + 16
-
-    async def chat(self, params: dict[str, Any], scope: str = "shared") -> Any:
-        """Send one whole chat request (the client's fields in `params`, `stream` included) in cache
-        `scope`, and return litellm's response, or its chunk stream once the upstream has started
-        answering (an async iterator that holds the call's cache lease until it ends or is closed).
-
-        One attempt (the client retries, as it would with the provider); a transient failure
-        counts against the circuit breaker and raises UpstreamUnavailable, a refusal (4xx) raises
-        UpstreamRejected with the upstream's own message."""
-        trial = self._breaker.acquire(time.monotonic())
-        if trial is None:
-            raise UpstreamUnavailable(f"circuit breaker open for upstream '{self.name}'")
-        s = self.settings
-        params = dict(params)
-        # The client's metadata is OpenAI's string map for the provider, never litellm's own metadata.
-        extra_body = {"metadata": params.pop("metadata")} if "metadata" in params else {}
-        lease = contextlib.AsyncExitStack()
-        try:
-            extra_body.update(await lease.enter_async_context(self.isolation.lease(scope, uuid.uuid4().hex)))
-            # allowed_openai_params: litellm would refuse fields it does not map for this provider
-            # (verbosity, prompt_cache_key, ...); the client sent them for the upstream to judge.
-            response = await litellm().acompletion(
-                model=self.chat_model, api_base=s.api_base, api_key=self._api_key, timeout=s.passthrough_timeout_s,
-                num_retries=0, allowed_openai_params=[name for name in params if name != "messages"],
-                extra_body=extra_body, **params)
-        except (openai.OpenAIError, httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
-            await lease.aclose()
-            transient = is_transient(exc)
-            # A 500 answering a client's own request body says little about the server (llama-server
-            # answers 500 to messages it cannot parse): only outages count against the breaker here.
-            self._breaker.record(not transient or status_of(exc) == 500, time.monotonic(), trial)
-            if transient:
-                raise UpstreamUnavailable(f"upstream '{self.name}' failed: {type(exc).__name__}: {exc}") from exc
-            raise UpstreamRejected(upstream_message(exc)) from exc
-        except BaseException:
-            await lease.aclose()
-            self._breaker.abandon(trial)
-            raise
-        self._breaker.record(True, time.monotonic(), trial)
-        if not params.get("stream"):
-            await lease.aclose()
-            return response
-        return _leased(response, lease)
-
     async def _call(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
                     seed: int | None, extra: dict[str, Any]) -> Any:
         s = self.settings
         common: dict[str, Any] = dict(
             model=s.model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            api_base=s.api_base, api_key=self._api_key, timeout=s.timeout_s, num_retries=0, **extra,
+            api_base=s.api_base, api_key=api_key_of(s), timeout=s.timeout_s, num_retries=0, **extra,
         )
         if seed is not None:
             common["seed"] = seed
@@ -376,20 +213,6 @@ class Upstream:
         )
 
 
-async def _leased(stream: Any, lease: contextlib.AsyncExitStack) -> Any:
-    """A streamed answer that, when it ends or is closed, closes the upstream's stream (so the
-    upstream stops writing) and gives its cache lease back."""
-    try:
-        async for chunk in stream:
-            yield chunk
-    finally:
-        try:
-            if hasattr(stream, "aclose"):
-                await stream.aclose()
-        finally:
-            await lease.aclose()
-
-
 def isolation_for(settings: UpstreamSettings) -> Isolation:
     """How this upstream keeps tenants apart in its prefix cache (see adapters.cache_isolation)."""
     if settings.cache_isolation == "shared":
@@ -397,13 +220,3 @@ def isolation_for(settings: UpstreamSettings) -> Isolation:
     if settings.kind == "llama-server":
         return TenantSlots.of_server(settings.api_base or "", settings.slots or 1, settings.timeout_s)
     return CacheSalt() if settings.kind == "vllm" else Hidden()
-
-
-def upstream_message(exc: BaseException) -> str:
-    """The upstream's own words from an error (its OpenAI-shaped body when there is one)."""
-    body = getattr(exc, "body", None)
-    if isinstance(body, dict):
-        error = body.get("error", body)
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-    return str(getattr(exc, "message", None) or exc)

@@ -4,6 +4,7 @@ adapters that use them import nothing from the gateway."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -91,3 +92,8 @@ class UpstreamSettings(Strict):
         if self.kind == "llama-server" and self.cache_isolation == "tenant" and not (self.slots or self.launch):
             raise ValueError("a llama-server upstream isolated by tenant needs `slots` (its --parallel)")
         return self
+
+
+def api_key_of(settings: UpstreamSettings) -> str:
+    """The upstream's API key, read from its environment variable at call time ("none" without one)."""
+    return os.environ.get(settings.api_key_env, "") if settings.api_key_env else "none"

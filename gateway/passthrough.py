@@ -164,7 +164,7 @@ class Passing:
             params = self.params
             if stream:
                 params = {**params, "stream": True, "stream_options": {"include_usage": True}}
-            return await self.upstream.chat(params, self.gate.cache_scope)
+            return await self.upstream.whole.chat(params, self.gate.cache_scope)
         except UpstreamRejected as exc:
             await asyncio.shield(self.gate.release(self.reservation))
             raise InvalidRequest(f"the upstream refused the request: {exc}", param=self.blocker.param) from exc
@@ -186,7 +186,7 @@ class Passing:
         prompt = usage.prompt_tokens or self.prompt_tokens
         completion = usage.completion_tokens
         if completion is None:
-            completion = self.upstream.count_text_tokens(text)
+            completion = self.upstream.whole.count_text_tokens(text)
         cached = usage.cached_tokens
         cost = self.upstream.estimate_cost(prompt, completion, cached)
         self.routing = {
@@ -220,7 +220,7 @@ async def admit(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
     if refusal:
         raise InvalidRequest(f"'{blocker.param}': {blocker.why}; {refusal}", param=blocker.param)
     upstream = alias.upstream
-    if blocker.medium and not upstream.reads(blocker.medium):
+    if blocker.medium and not upstream.whole.reads(blocker.medium):
         raise InvalidRequest(f"'{blocker.param}': {blocker.why}, and this model's upstream does not read "
                              f"{blocker.medium} input", param=blocker.param)
     check_tools(body, upstream.settings.tool_types, runtime.settings.server)
@@ -229,9 +229,9 @@ async def admit(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
                          retry_after_s=upstream.settings.breaker_cooldown_s)
     max_tokens = body.requested_max_tokens or runtime.settings.server.max_tokens_limit
     params = upstream_params(body, upstream, max_tokens)
-    prompt = await upstream.count_chat_tokens(params)
+    prompt = await upstream.whole.count_chat_tokens(params)
     if prompt is None:
-        prompt = upstream.estimate_chat_tokens(params["messages"], params.get("tools"))
+        prompt = upstream.whole.estimate_chat_tokens(params["messages"], params.get("tools"))
     answers = max_tokens * body.n
     gate = HandoffGate(runtime.ledger, tenant.id, tenant.limits, allowed=True, cache_scope=tenant.cache_scope)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
