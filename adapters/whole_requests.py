@@ -17,8 +17,14 @@ import openai
 
 from adapters.cache_isolation import Isolation
 from adapters.litellm_client import litellm
-from adapters.upstream_errors import CircuitBreaker, UpstreamRejected, UpstreamUnavailable, is_transient, status_of, \
-    upstream_message
+from adapters.upstream_errors import (
+    CircuitBreaker,
+    UpstreamRejected,
+    UpstreamUnavailable,
+    is_transient,
+    status_of,
+    upstream_message,
+)
 from adapters.upstream_settings import UpstreamSettings, api_key_of
 from adapters.vocabulary import Vocabulary
 

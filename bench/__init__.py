@@ -6,8 +6,8 @@ import time
 from typing import Any
 
 from adapters.store import Limits, MemoryStore
-from gateway.budget import HandoffGate, Ledger
-from gateway.decoder import DecodeRequest, Decoding
+from gateway.admission.budget import HandoffGate, Ledger
+from gateway.decoding.decoder import DecodeRequest, Decoding
 
 
 def decoding_for(local: Any, upstream: Any, request: DecodeRequest) -> Decoding:

@@ -40,7 +40,7 @@ from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
 from adapters.upstream_server import free_port
 from bench import decoding_for
-from gateway.decoder import DecodeRequest
+from gateway.decoding.decoder import DecodeRequest
 from policies import build_policy
 from tests.conftest import wait_http
 

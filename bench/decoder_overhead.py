@@ -21,8 +21,8 @@ from llama_cpp import Llama
 from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
 from bench import decoding_for, timed
-from gateway.decoder import DecodeRequest
-from gateway.signals import signal_of
+from gateway.decoding.decoder import DecodeRequest
+from gateway.decoding.signals import signal_of
 from policies import RoutingState, build_policy
 
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]

@@ -22,7 +22,7 @@ from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
 from bench import decoding_for, timed
 from eval.datasets import GSM8K_JSON_SCHEMA, load_items
-from gateway.decoder import DecodeRequest
+from gateway.decoding.decoder import DecodeRequest
 from policies import build_policy
 
 

@@ -22,7 +22,7 @@ from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
 from adapters.upstream_server import UpstreamServer
 from bench import decoding_for, timed
-from gateway.decoder import GUESS_LIMIT, DecodeRequest, Decoding
+from gateway.decoding.decoder import GUESS_LIMIT, DecodeRequest, Decoding
 from gateway.runtime import make_upstream
 from gateway.settings import LaunchSettings, UpstreamSettings
 from policies import build_policy

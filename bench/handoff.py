@@ -25,7 +25,7 @@ from adapters.upstream import Upstream
 from adapters.upstream_server import UpstreamServer, forgetful_args
 from bench import decoding_for, timed
 from eval.datasets import load_items
-from gateway.decoder import DecodeRequest, Decoding
+from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.runtime import make_upstream
 from gateway.settings import LaunchSettings, UpstreamSettings
 from policies import build_policy

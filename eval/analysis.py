@@ -21,7 +21,7 @@ from llama_cpp import Llama
 from adapters.chat_template import ChatTemplate
 from adapters.vocabulary import tokenize_parts
 from eval.datasets import Item
-from gateway.signals import signal_of, token_kind
+from gateway.decoding.signals import signal_of, token_kind
 
 POSITION_BUCKETS = ((0, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 128), (128, 256), (256, 100_000))
 # Each signal oriented so that larger means "more likely a mismatch".

@@ -10,7 +10,7 @@
     learned@S             the learned router (--router) at its threshold fitted for share S
     first@K               route the first K answer tokens only
     ...,span=N,until=R    the same with up to N upstream tokens per hand-off, cut at the first
-                          word / line / sentence boundary when R is given (gateway/spans.py)
+                          word / line / sentence boundary when R is given (gateway/decoding/spans.py)
 """
 
 from __future__ import annotations

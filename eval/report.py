@@ -9,8 +9,8 @@ from typing import Any
 
 from eval import querylevel
 from eval.answers import score
-from eval.datasets import Item
 from eval.configs import ROUTED, ConfigSpec, parse_config
+from eval.datasets import Item
 from eval.records import configs_in, in_rows, read_records
 from eval.summary import bootstrap_ci, mcnemar_p, summarize
 

@@ -20,16 +20,16 @@ from adapters.chat_template import TemplateError
 from adapters.grammar import gbnf_for
 from adapters.local_model import ContextOverflow
 from adapters.store import Limits, MemoryStore
+from eval.analysis import TeacherForcer
 from eval.answers import score
 from eval.configs import ConfigSpec
 from eval.datasets import Item
-from eval.analysis import TeacherForcer
 from eval.oracle import Oracle, local_mismatches, reanchorer
 from eval.records import append_record, configs_in, datasets_in, read_records, records_path, write_json
 from eval.session import Models
 from eval.summary import summarize
-from gateway.budget import HandoffGate, Ledger
-from gateway.decoder import DecodeRequest, Decoding
+from gateway.admission.budget import HandoffGate, Ledger
+from gateway.decoding.decoder import DecodeRequest, Decoding
 from policies import Policy, Signal
 
 KEEP_TOKENS = ("never", "always")  # configs whose answer token ids are kept (analysis, oracle)

@@ -65,7 +65,7 @@ def _serve(args: argparse.Namespace) -> int:
 async def _serve_async(settings, log_level: str) -> int:
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.api.app import create_app
     from gateway.runtime import Runtime
 
     runtime = await Runtime.start(settings)  # fail here, with one line, before binding the port

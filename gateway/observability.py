@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import GaugeMetricFamily
 
 from adapters.upstream import Continuation, Handoff, Upstream
-from gateway.errors import GatewayError, Unauthenticated
+from gateway.api.errors import GatewayError, Unauthenticated
 
 log = logging.getLogger("gateway.requests")
 router = APIRouter()

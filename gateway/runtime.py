@@ -16,9 +16,9 @@ from adapters.store import MemoryStore, Store
 from adapters.upstream import Continuations, Upstream
 from adapters.upstream_server import UpstreamServer
 from adapters.vocabulary import Vocabulary
-from gateway.budget import Ledger
+from gateway.admission.budget import Ledger
+from gateway.admission.tenants import TenantDirectory
 from gateway.settings import AliasSettings, Settings, UpstreamSettings
-from gateway.tenants import TenantDirectory
 from policies import EntropyWindow, Router
 
 log = logging.getLogger("gateway.runtime")

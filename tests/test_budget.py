@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from adapters.store import Billed, Limits, MemoryStore, RateLimits, StoreUnavailable
-from gateway.budget import Ledger
+from gateway.admission.budget import Ledger
 
 NOW = 1_790_000_000.0
 

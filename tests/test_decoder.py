@@ -10,9 +10,9 @@ import pytest
 
 from adapters.store import Limits, MemoryStore, StoreUnavailable
 from adapters.upstream import UpstreamRejected
-from gateway.budget import HandoffGate, Ledger
-from gateway.decoder import DecodeRequest, Decoding
-from gateway.signals import Sampling
+from gateway.admission.budget import HandoffGate, Ledger
+from gateway.decoding.decoder import DecodeRequest, Decoding
+from gateway.decoding.signals import Sampling
 from policies import build_policy
 from tests.fakes import FakeLocalModel, FakeUpstream
 

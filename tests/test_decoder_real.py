@@ -10,8 +10,8 @@ from llama_cpp import Llama
 
 from adapters.local_model import LocalModel
 from adapters.store import Limits, MemoryStore
-from gateway.budget import HandoffGate, Ledger
-from gateway.decoder import DecodeRequest, Decoding
+from gateway.admission.budget import HandoffGate, Ledger
+from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.runtime import make_upstream
 from gateway.settings import UpstreamSettings
 from policies import build_policy

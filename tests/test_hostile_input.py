@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from adapters.cache_isolation import TenantSlots
 from adapters.chat_template import ZERO_WIDTH_SPACE, neutralize
-from gateway.errors import GatewayError, InvalidRequest, QUOTE_CHARS
-from gateway.passthrough import blocker_of, check_tools, upstream_params
-from gateway.request_body import parse_json_body
-from gateway.schemas import ChatCompletionRequest
+from gateway.admission.passthrough import blocker_of, check_tools, upstream_params
+from gateway.api.errors import QUOTE_CHARS, GatewayError, InvalidRequest
+from gateway.api.request_body import parse_json_body
+from gateway.api.schemas import ChatCompletionRequest
 from gateway.settings import ServerSettings
 from policies import build_policy
 from policies.base import RoutingState, Signal

@@ -10,12 +10,12 @@ import pytest
 from adapters.store import Limits, MemoryStore
 from eval.__main__ import main as eval_main
 from eval.learn import compare, matrix, train, with_thresholds
-from gateway.budget import HandoffGate, Ledger
-from gateway.chat import resolve_routing
-from gateway.decoder import DecodeRequest, Decoding
-from gateway.errors import InvalidRequest
+from gateway.admission.budget import HandoffGate, Ledger
+from gateway.admission.chat import resolve_routing
+from gateway.api.errors import InvalidRequest
+from gateway.decoding.decoder import DecodeRequest, Decoding
+from gateway.decoding.signals import signal_of, token_kind
 from gateway.settings import RoutingOverride, RoutingSettings
-from gateway.signals import signal_of, token_kind
 from policies import LOCAL, UPSTREAM, RoutingState, build_policy
 from policies.base import PolicyDefaults
 from policies.learned import FEATURES, Router, RouterError, features

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.logit_rules import LogitRules
+from gateway.decoding.logit_rules import LogitRules
 
 
 def test_bias_is_added_to_the_named_tokens():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.passthrough import blocker_of
-from gateway.schemas import ChatCompletionRequest
+from gateway.admission.passthrough import blocker_of
+from gateway.api.schemas import ChatCompletionRequest
 
 USER = {"role": "user", "content": "Hi"}
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}

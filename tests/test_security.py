@@ -149,10 +149,10 @@ def test_concurrent_pass_through_stays_within_the_budget(gateway):
 
 def test_a_cut_pass_through_stream_bills_the_whole_prompt(gateway):
     whole = passed_through(gateway, DEMO_KEY, NUMBERS)
+    body = {"model": "routed", "messages": [{"role": "user", "content": NUMBERS}], "tools": [WEATHER_TOOL],
+            "max_tokens": LOCAL_LIMIT + 1, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", timeout=120,
-                      headers={"Authorization": "Bearer sk-cut"},
-                      json={"model": "routed", "messages": [{"role": "user", "content": NUMBERS}],
-                            "tools": [WEATHER_TOOL], "max_tokens": LOCAL_LIMIT + 1, "temperature": 0, "stream": True}) as cut:
+                      headers={"Authorization": "Bearer sk-cut"}, json=body) as cut:
         next(line for line in cut.iter_lines() if line.startswith("data: "))  # the first chunk, then leave
     deadline = time.monotonic() + 15
     while billed_tokens(gateway, "sk-cut") == 0 and time.monotonic() < deadline:

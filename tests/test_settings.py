@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from gateway.admission.tenants import TenantDirectory, key_digest
 from gateway.settings import SettingsError, load_settings
-from gateway.tenants import TenantDirectory, key_digest
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gateway.signals import Sampling, log_softmax, sample, signal_of
+from gateway.decoding.signals import Sampling, log_softmax, sample, signal_of
 
 
 def reference(logits: np.ndarray) -> tuple[float, float, float]:

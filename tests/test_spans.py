@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.spans import cut_span
+from gateway.decoding.spans import cut_span
 
 
 @pytest.mark.parametrize("text, rule, kept", [

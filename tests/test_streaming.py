@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from gateway.chat import Admitted
-from gateway.decoder import Piece
-from gateway.errors import GatewayError
-from gateway.routes import _stream
-from gateway.schemas import ChatCompletionRequest
+from gateway.admission.chat import Admitted
+from gateway.api.chat_completions import _stream
+from gateway.api.errors import GatewayError
+from gateway.api.schemas import ChatCompletionRequest
+from gateway.decoding.decoder import Piece
 
 
 class BrokenDecoding:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import Counter
 import shutil
 import subprocess
 import time
 import uuid
+from collections import Counter
 
 import httpx
 import openai

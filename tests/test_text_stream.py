@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.text_stream import TextReleaser
+from gateway.decoding.text_stream import TextReleaser
 
 
 def feed_bytes(releaser: TextReleaser, chunks: list[bytes]) -> list[str]:

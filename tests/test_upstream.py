@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 import httpx
 import openai
+import pytest
 
 from adapters.continuation_modes import strip_echo
 from adapters.upstream import CircuitBreaker, UpstreamRejected, UpstreamUnavailable, is_transient

@@ -1,7 +1,7 @@
 """OpenAI wire shapes (requests and responses) plus the gateway's documented extensions.
 
 The request model accepts every field of OpenAI's chat request. Which of them the token-level
-path serves and which send the request whole to the upstream is decided in gateway.passthrough.
+path serves and which send the request whole to the upstream is decided in gateway.admission.passthrough.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from gateway.errors import InvalidRequest, quoted
+from gateway.api.errors import InvalidRequest, quoted
 from gateway.settings import RoutingOverride  # the `routing` extension: the same shape as a tenant's override
 
 
@@ -172,7 +172,7 @@ class ChatCompletionRequest(Wire):
     reasoning_effort: str | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
     prediction: dict[str, Any] | None = None
-    # Only an upstream can do these: the request passes through (gateway.passthrough).
+    # Only an upstream can do these: the request passes through (gateway.admission.passthrough).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

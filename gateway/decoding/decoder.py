@@ -32,11 +32,11 @@ from adapters.grammar import Grammar
 from adapters.local_model import LocalModel
 from adapters.store import Billed
 from adapters.upstream import Continuation, Continuations, Handoff, UpstreamRejected, UpstreamUnavailable
-from gateway.budget import HandoffGate
-from gateway.logit_rules import LogitRules
-from gateway.signals import Sampling, log_softmax, sample, signal_of, token_kind
-from gateway.spans import cut_span
-from gateway.text_stream import TextReleaser
+from gateway.admission.budget import HandoffGate
+from gateway.decoding.logit_rules import LogitRules
+from gateway.decoding.signals import Sampling, log_softmax, sample, signal_of, token_kind
+from gateway.decoding.spans import cut_span
+from gateway.decoding.text_stream import TextReleaser
 from policies import LOCAL as LOCAL_STEP
 from policies import Decision, Policy, RoutingState, Signal
 
@@ -46,7 +46,7 @@ GUESS_LIMIT = 8  # most local tokens guessed ahead while a hand-off is in flight
 # its text at the first break, so a longer span would mostly be generated (and billed) in vain.
 GRAMMAR_SPAN = 16
 RESERVATION_MARGIN_S = 30.0  # a reservation outlives its call's worst case by this much
-log = logging.getLogger("gateway.decoder")
+log = logging.getLogger("gateway.decoding.decoder")
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class Decoding:
         """The answer, piece by piece; the last piece releases any text still held back.
 
         Decoding advances as this is iterated; the HTTP layer drains it in a task of its own
-        (`gateway.streams.merged`) so that a slow client never holds up the engine's batch."""
+        (`gateway.api.streams.merged`) so that a slow client never holds up the engine's batch."""
         if self.upstream is not None and not self.gate.allowed:  # settled at admission
             self._upstream_closed = True
             self.usage.degrade(self.gate.refusal)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from adapters.store import Billed, Headroom, Limits, Reservation, Store, StoreUnavailable
 
-log = logging.getLogger("gateway.budget")
+log = logging.getLogger("gateway.admission.budget")
 
 
 class Ledger:

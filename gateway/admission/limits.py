@@ -4,10 +4,10 @@ budget's headroom, and the parallel slot it gives back when it ends."""
 from __future__ import annotations
 
 from adapters.store import StoreUnavailable
-from gateway.budget import HandoffGate
-from gateway.errors import QuotaExceeded, RateLimited
+from gateway.admission.budget import HandoffGate
+from gateway.admission.tenants import Tenant
+from gateway.api.errors import QuotaExceeded, RateLimited
 from gateway.runtime import Runtime
-from gateway.tenants import Tenant
 
 
 async def admit_rates(runtime: Runtime, tenant: Tenant, gate: HandoffGate, request_id: str, tokens: int) -> None:

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: admission, then the decoder, then OpenAI-shaped output."""
+"""Admitting a chat completion request: refused now (never mid-stream), started on the token-level
+path (one Decoding per choice), or handed to pass-through when only the upstream can serve it."""
 
 from __future__ import annotations
 
@@ -13,23 +14,23 @@ from pydantic import ValidationError
 from adapters.chat_template import TemplateError
 from adapters.grammar import GrammarUnsupported, gbnf_for
 from adapters.local_model import QueueFull
-from gateway import passthrough
-from gateway.admission import admit_rates, leave
-from gateway.budget import HandoffGate
-from gateway.decoder import Decoding, DecodeRequest, Piece
-from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, quoted
-from gateway.logit_rules import LogitRules
-from gateway.passthrough import Blocker, Passing
+from gateway.admission import passthrough
+from gateway.admission.budget import HandoffGate
+from gateway.admission.limits import admit_rates, leave
+from gateway.admission.passthrough import Blocker, Passing
+from gateway.admission.tenants import Tenant
+from gateway.api.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, quoted
+from gateway.api.schemas import ChatCompletionRequest
+from gateway.api.streams import merged
+from gateway.decoding.decoder import DecodeRequest, Decoding, Piece
+from gateway.decoding.logit_rules import LogitRules
+from gateway.decoding.signals import Sampling
 from gateway.runtime import Alias, Runtime
-from gateway.schemas import ChatCompletionRequest
 from gateway.settings import RoutingOverride, RoutingSettings
-from gateway.streams import merged
-from gateway.signals import Sampling
-from gateway.tenants import Tenant
 from policies import THRESHOLD_POLICIES, build_policy
 from policies.learned import RouterError
 
-log = logging.getLogger("gateway.chat")
+log = logging.getLogger("gateway.admission.chat")
 
 
 @dataclass

@@ -21,16 +21,16 @@ from typing import Any
 
 from adapters.store import Billed, Reservation
 from adapters.upstream import Upstream, UpstreamRejected, UpstreamUnavailable
-from gateway.admission import admit_rates, leave
-from gateway.budget import HandoffGate
-from gateway.errors import GatewayError, InvalidRequest, Overloaded, QuotaExceeded, quoted
-from gateway.request_body import depth_of
+from gateway.admission.budget import HandoffGate
+from gateway.admission.limits import admit_rates, leave
+from gateway.admission.tenants import Tenant
+from gateway.api.errors import GatewayError, InvalidRequest, Overloaded, QuotaExceeded, quoted
+from gateway.api.request_body import depth_of
+from gateway.api.schemas import ChatCompletionRequest, MediaPart
 from gateway.runtime import Alias, Runtime
-from gateway.schemas import ChatCompletionRequest, MediaPart
 from gateway.settings import ServerSettings
-from gateway.tenants import Tenant
 
-log = logging.getLogger("gateway.passthrough")
+log = logging.getLogger("gateway.admission.passthrough")
 
 RESERVATION_MARGIN_S = 30.0
 UPSTREAM_ONLY = (  # request fields only an upstream can honour, and what each asks for

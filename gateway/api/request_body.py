@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.errors import InvalidRequest, quoted
+from gateway.api.errors import InvalidRequest, quoted
 
 
 def parse_json_body(raw: bytes, max_bytes: int, max_depth: int) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The HTTP endpoints. Each handler is thin: parse, authenticate, delegate, render."""
+"""POST /v1/chat/completions: parse and authenticate, admit (gateway/admission), then answer as
+JSON or as OpenAI's server-sent events, decoded on the token-level path or passed through whole."""
 
 from __future__ import annotations
 
@@ -9,42 +10,22 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from sse_starlette.sse import AppStatus, EventSourceResponse
+from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from gateway import observability
-from gateway.chat import Admitted, admit
-from gateway.decoder import Piece
-from gateway.errors import (
-    ClientClosedRequest, Forbidden, GatewayError, InvalidRequest, Unauthenticated, param_of, quoted, sse_error_event,
-)
-from gateway.passthrough import Passing
-from gateway.request_body import parse_json_body
-from gateway.responses import chunk, completion_body, routing_header, usage_chunk
+from gateway.admission.chat import Admitted, admit
+from gateway.admission.passthrough import Passing
+from gateway.api.errors import ClientClosedRequest, GatewayError, InvalidRequest, param_of, quoted, sse_error_event
+from gateway.api.request_body import parse_json_body
+from gateway.api.responses import chunk, completion_body, routing_header, usage_chunk
+from gateway.api.routes import authenticate, runtime_of
+from gateway.api.schemas import ChatCompletionRequest
+from gateway.decoding.decoder import Piece
 from gateway.runtime import Runtime
-from gateway.schemas import ChatCompletionRequest
-from gateway.tenants import Tenant
 
-log = logging.getLogger("gateway.routes")
+log = logging.getLogger("gateway.api.chat_completions")
 router = APIRouter()
-
-
-def runtime_of(request: Request) -> Runtime:
-    return request.app.state.runtime
-
-
-def bearer_key(request: Request) -> str:
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        raise Unauthenticated("Missing API key: send 'Authorization: Bearer <key>'.")
-    return key.strip()
-
-
-def authenticate(request: Request) -> Tenant:
-    tenant = runtime_of(request).tenants.authenticate(bearer_key(request))
-    if tenant is None:
-        raise Unauthenticated("Incorrect API key provided.")
-    return tenant
 
 
 async def parse_chat_request(request: Request) -> ChatCompletionRequest:
@@ -189,78 +170,3 @@ async def _framed(events, request_id: str, failure: str, done):
 
 def _event(body: dict) -> dict:
     return {"data": json.dumps(body, ensure_ascii=False)}
-
-
-@router.get("/v1/models")
-async def list_models(request: Request):
-    runtime = runtime_of(request)
-    tenant = authenticate(request)
-    data = [
-        {"id": name, "object": "model", "created": 0, "owned_by": "routing-gateway",
-         "local": alias.settings.local, "upstream": alias.settings.upstream,
-         "routing": alias.settings.routing.model_dump(exclude_none=True)}
-        for name, alias in runtime.aliases.items() if tenant.may_use(name)
-    ]
-    return {"object": "list", "data": data}
-
-
-@router.get("/v1/usage")
-async def tenant_usage(request: Request):
-    tenant = authenticate(request)
-    return await _usage(runtime_of(request), tenant)
-
-
-@router.get("/admin/tenants/{tenant_id}/usage")
-async def admin_usage(tenant_id: str, request: Request):
-    runtime = runtime_of(request)
-    key = bearer_key(request)
-    if not runtime.tenants.is_admin(key):
-        if runtime.tenants.authenticate(key) is not None:
-            raise Forbidden("This endpoint needs the admin key.")
-        raise Unauthenticated("Incorrect API key provided.")
-    tenant = runtime.tenants.by_id.get(tenant_id)
-    if tenant is None:
-        error = InvalidRequest(f"no tenant '{quoted(tenant_id)}'", param="tenant_id")
-        error.status, error.code = 404, "not_found"
-        raise error
-    return await _usage(runtime, tenant)
-
-
-async def _usage(runtime: Runtime, tenant: Tenant) -> dict:
-    from adapters.store import StoreUnavailable
-
-    try:
-        windows = await runtime.ledger.store.usage(tenant.id, runtime.ledger.clock())
-    except StoreUnavailable as exc:
-        error = GatewayError("the usage ledger is unreachable; retry shortly")
-        error.status, error.code = 503, "store_unavailable"
-        raise error from exc
-    budgets = {"day": tenant.settings.daily, "month": tenant.settings.monthly}
-    return {
-        "tenant": tenant.id,
-        "windows": [
-            {**vars(w), "limits": budgets[w.period].model_dump()} for w in windows
-        ],
-    }
-
-
-@router.get("/health/live")
-async def live():
-    return {"status": "ok"}
-
-
-@router.get("/health/ready")
-async def ready(request: Request):
-    runtime = runtime_of(request)
-    store_ok = await runtime.ledger.store.ping()
-    # sse-starlette flags uvicorn's SIGTERM (it drains streams on it); the lifespan then closes us.
-    draining = AppStatus.should_exit or runtime.closed
-    body = {
-        "status": "draining" if draining else "ready",
-        "store": "ok" if store_ok else "unavailable",
-        "mode": "routing" if store_ok else "local_only",
-        "unsettled_usage": runtime.ledger.unsettled,
-        "unreleased_slots": runtime.ledger.unreleased,
-        "queue_depth": {name: model.queue_depth for name, model in runtime.local_models.items()},
-    }
-    return JSONResponse(body, status_code=503 if draining else 200)

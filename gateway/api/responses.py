@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.chat import Admitted
-from gateway.decoder import Piece, TokenLogprob
+from gateway.admission.chat import Admitted
+from gateway.decoding.decoder import Piece, TokenLogprob
 
 
 def usage_of(admitted: Admitted) -> dict[str, Any]:

@@ -11,11 +11,12 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from gateway import observability
-from gateway.errors import install_error_handlers
-from gateway.playground import router as playground_router
-from gateway.routes import router
+from gateway.api.chat_completions import router as chat_router
+from gateway.api.errors import install_error_handlers
+from gateway.api.playground import router as playground_router
+from gateway.api.routes import router
+from gateway.api.schemas import ChatCompletionRequest
 from gateway.runtime import Runtime
-from gateway.schemas import ChatCompletionRequest
 from gateway.settings import Settings
 
 log = logging.getLogger("gateway")
@@ -39,6 +40,7 @@ def create_app(settings: Settings, start_runtime: RuntimeFactory = Runtime.start
     app = FastAPI(title="routing-gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json" if settings.server.docs else None)
     install_error_handlers(app)
+    app.include_router(chat_router)
     app.include_router(router)
     app.include_router(playground_router)
     observability.install(app, observability.Metrics(), settings.server.public_metrics)  # a registry per app
