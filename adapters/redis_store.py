@@ -246,7 +246,7 @@ class RedisStore:
             return None
         return (minute + 1) * 60 - now if verdict == 0 else 1.0
 
-    async def leave(self, tenant: str, request_id: str) -> None:
+    async def release_slot(self, tenant: str, request_id: str) -> None:
         await self._run(lambda: self._redis.zrem(f"{self._prefix}:par:{tenant}", request_id))
 
     async def cache_get(self, key: str) -> str | None:

@@ -146,9 +146,9 @@ class Store(Protocol):
     async def admit(self, tenant: str, request_id: str, limits: RateLimits, tokens: int, now: float) -> float | None:
         """Count a request of `tokens` against the limits; None if admitted, else seconds to wait.
 
-        A refused request does not count. An admitted one holds a parallel slot until `leave`."""
+        A refused request does not count. An admitted one holds a parallel slot until `release_slot`."""
 
-    async def leave(self, tenant: str, request_id: str) -> None: ...
+    async def release_slot(self, tenant: str, request_id: str) -> None: ...
 
     async def cache_get(self, key: str) -> str | None: ...
 
@@ -276,7 +276,7 @@ class MemoryStore:
         self._minute[(tenant, minute)] = (requests + 1, used + tokens)
         return None
 
-    async def leave(self, tenant: str, request_id: str) -> None:
+    async def release_slot(self, tenant: str, request_id: str) -> None:
         self._parallel.get(tenant, {}).pop(request_id, None)
 
     async def cache_get(self, key: str) -> str | None:

@@ -61,15 +61,15 @@ async def test_a_slot_released_during_an_outage_is_given_back_when_the_store_ans
     class Unreachable(MemoryStore):
         down = True
 
-        async def leave(self, tenant, request_id):
+        async def release_slot(self, tenant, request_id):
             if self.down:
                 raise StoreUnavailable("scripted outage")
-            await super().leave(tenant, request_id)
+            await super().release_slot(tenant, request_id)
 
     store = Unreachable()
     ledger = Ledger(store, clock=lambda: NOW)
     assert await store.admit("t", "r1", RateLimits(max_parallel=1), 0, NOW) is None
-    await ledger.leave("t", "r1")
+    await ledger.release_slot("t", "r1")
     assert ledger.unreleased == 1 and await store.admit("t", "r2", RateLimits(max_parallel=1), 0, NOW) == 1.0
     store.down = False
     await ledger.flush()

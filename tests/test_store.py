@@ -88,7 +88,7 @@ async def test_rate_limits_and_parallel_slots(store):
     parallel = RateLimits(max_parallel=1)
     assert await store.admit("u", "d", parallel, 0, NOW) is None
     assert await store.admit("u", "e", parallel, 0, NOW) == 1.0
-    await store.leave("u", "d")
+    await store.release_slot("u", "d")
     assert await store.admit("u", "e", parallel, 0, NOW) is None
 
 

@@ -47,11 +47,11 @@ class Ledger:
             log.warning("ledger unreachable; settlement of tenant %s queued", reservation.tenant)
             self._unsettled.append((reservation, billed, now))
 
-    async def leave(self, tenant: str, request_id: str) -> None:
+    async def release_slot(self, tenant: str, request_id: str) -> None:
         """Give back a request's parallel slot, now or once the store answers again: a slot left
         held would refuse the tenant's requests until it expires."""
         try:
-            await self.store.leave(tenant, request_id)
+            await self.store.release_slot(tenant, request_id)
         except StoreUnavailable:
             self._unreleased.append((tenant, request_id))
 
@@ -65,7 +65,7 @@ class Ledger:
                 await self.store.settle(reservation, billed, when)
                 self._unsettled.pop(0)
             while self._unreleased:
-                await self.store.leave(*self._unreleased[0])
+                await self.store.release_slot(*self._unreleased[0])
                 self._unreleased.pop(0)
 
     async def keep_flushing(self, interval_s: float = 1.0) -> None:

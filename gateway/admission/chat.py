@@ -16,7 +16,7 @@ from adapters.grammar import GrammarUnsupported, gbnf_for
 from adapters.local_model import QueueFull
 from gateway.admission import passthrough
 from gateway.admission.budget import HandoffGate
-from gateway.admission.limits import admit_rates, leave
+from gateway.admission.limits import admit_rates, release
 from gateway.admission.passthrough import Blocker, Passing
 from gateway.admission.tenants import Tenant
 from gateway.api.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, quoted
@@ -50,11 +50,11 @@ class Admitted:
         choice decodes in a task of its own that never waits for the client."""
         return merged(*(decoding.pieces() for decoding in self.decodings))
 
-    async def leave(self, runtime: Runtime) -> None:
+    async def release(self, runtime: Runtime) -> None:
         """Give back the request's parallel slot, once, whichever path ends the request first."""
         if not self.left:
             self.left = True
-            await leave(runtime, self.tenant, self.id)
+            await release(runtime, self.tenant, self.id)
 
 
 def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None) -> RoutingSettings:

@@ -26,12 +26,12 @@ async def admit_rates(runtime: Runtime, tenant: Tenant, gate: HandoffGate, reque
         return
     if gate.headroom is not None and gate.headroom.exhausted:
         if tenant.settings.on_budget_exhausted == "refuse":
-            await leave(runtime, tenant, request_id)
+            await release(runtime, tenant, request_id)
             raise QuotaExceeded("You exceeded your upstream budget for this period.")
         gate.allowed, gate.refusal = False, "budget_exhausted"
 
 
-async def leave(runtime: Runtime, tenant: Tenant, request_id: str) -> None:
+async def release(runtime: Runtime, tenant: Tenant, request_id: str) -> None:
     """Give back the request's parallel slot (queued while the store is down; it also expires)."""
     if tenant.settings.rate_limits.max_parallel is not None:
-        await runtime.ledger.leave(tenant.id, request_id)
+        await runtime.ledger.release_slot(tenant.id, request_id)

@@ -22,7 +22,7 @@ from typing import Any
 from adapters.store import Billed, Reservation
 from adapters.upstream import Upstream, UpstreamRejected, UpstreamUnavailable
 from gateway.admission.budget import HandoffGate
-from gateway.admission.limits import admit_rates, leave
+from gateway.admission.limits import admit_rates, release
 from gateway.admission.tenants import Tenant
 from gateway.api.errors import GatewayError, InvalidRequest, Overloaded, QuotaExceeded, quoted
 from gateway.api.request_body import depth_of
@@ -144,11 +144,11 @@ class Passing:
         finally:
             await self._settle(usage_seen, text)
 
-    async def leave(self, runtime: Runtime) -> None:
+    async def release(self, runtime: Runtime) -> None:
         """Give back the request's parallel slot, once."""
         if not self.left:
             self.left = True
-            await leave(runtime, self.tenant, self.id)
+            await release(runtime, self.tenant, self.id)
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's usage object, as billed by the upstream (known once the call is settled)."""
@@ -241,7 +241,7 @@ async def admit(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
         reservation = await gate.reserve(prompt + answers, upstream.estimate_cost(prompt, answers),
                                          ttl_s=upstream.settings.passthrough_timeout_s + RESERVATION_MARGIN_S)
     if reservation is None:
-        await leave(runtime, tenant, request_id)
+        await release(runtime, tenant, request_id)
         if gate.refusal == "store_unavailable":
             error = GatewayError("the usage ledger is unreachable, so upstream spending cannot be checked; retry shortly")
             error.status, error.code = 503, "store_unavailable"

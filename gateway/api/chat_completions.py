@@ -58,11 +58,11 @@ async def chat_completions(request: Request):
         # The background task frees the slot even when the client left before the stream started.
         return EventSourceResponse(_stream(runtime, admitted), sep="\n", ping=15,
                                    shutdown_grace_period=runtime.settings.server.drain_seconds,
-                                   background=BackgroundTask(admitted.leave, runtime))
+                                   background=BackgroundTask(admitted.release, runtime))
     try:
         pieces = await _unless_client_leaves(request, _collect(admitted))
     finally:
-        await asyncio.shield(admitted.leave(runtime))
+        await asyncio.shield(admitted.release(runtime))
     return JSONResponse(completion_body(admitted, pieces), headers={"x-routing-summary": routing_header(admitted)})
 
 
@@ -73,22 +73,22 @@ async def _pass_through(request: Request, runtime: Runtime, passing: Passing):
         try:
             chunks = await passing.open_stream()
         except BaseException:
-            await asyncio.shield(passing.leave(runtime))
+            await asyncio.shield(passing.release(runtime))
             raise
         return EventSourceResponse(_passed_events(runtime, passing, chunks), sep="\n", ping=15, headers=headers,
                                    shutdown_grace_period=runtime.settings.server.drain_seconds,
-                                   background=BackgroundTask(passing.leave, runtime))
+                                   background=BackgroundTask(passing.release, runtime))
     try:
         body = await _unless_client_leaves(request, passing.complete())
     finally:
-        await asyncio.shield(passing.leave(runtime))
+        await asyncio.shield(passing.release(runtime))
         observability.count_passthrough(passing)
     return JSONResponse(body, headers=headers)
 
 
 def _passed_events(runtime: Runtime, passing: Passing, chunks):
     async def done() -> None:
-        await passing.leave(runtime)
+        await passing.release(runtime)
         observability.count_passthrough(passing)
 
     events = (_event(body) async for body in chunks)
@@ -126,7 +126,7 @@ async def _disconnected(request: Request) -> None:
 
 def _stream(runtime: Runtime, admitted: Admitted):
     return _framed(_decoded_events(admitted), admitted.id,
-                   "internal error while decoding; the gateway logged the details", lambda: admitted.leave(runtime))
+                   "internal error while decoding; the gateway logged the details", lambda: admitted.release(runtime))
 
 
 async def _decoded_events(admitted: Admitted):
