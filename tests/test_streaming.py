@@ -24,7 +24,7 @@ class BrokenDecoding:
 
 async def test_error_after_the_stream_started_is_one_error_event():
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
-    admitted = Admitted("chatcmpl-x", 0, None, None, body, [BrokenDecoding()], left=True)  # holds no slot
+    admitted = Admitted("chatcmpl-x", 0, None, None, body, [BrokenDecoding()], released=True)  # holds no slot
     events = [event["data"] async for event in _stream(SimpleNamespace(), admitted)]
     assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
     error = json.loads(events[-1])
@@ -40,6 +40,6 @@ async def test_gateway_error_mid_stream_keeps_its_status_type():
             raise GatewayError("the local model stopped")
 
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
-    admitted = Admitted("chatcmpl-y", 0, None, None, body, [Refusing()], left=True)
+    admitted = Admitted("chatcmpl-y", 0, None, None, body, [Refusing()], released=True)
     events = [event["data"] async for event in _stream(SimpleNamespace(), admitted)]
     assert json.loads(events[-1])["error"]["message"] == "the local model stopped"

@@ -43,7 +43,7 @@ class Admitted:
     tenant: Tenant
     body: ChatCompletionRequest
     decodings: list[Decoding]  # one per choice (`n`), decoded together
-    left: bool = False
+    released: bool = False  # its parallel slot, once
 
     def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
         """Every choice's pieces as (choice index, piece), in the order they are decoded; each
@@ -52,8 +52,8 @@ class Admitted:
 
     async def release(self, runtime: Runtime) -> None:
         """Give back the request's parallel slot, once, whichever path ends the request first."""
-        if not self.left:
-            self.left = True
+        if not self.released:
+            self.released = True
             await release(runtime, self.tenant, self.id)
 
 

@@ -100,7 +100,7 @@ class Passing:
     params: dict[str, Any]  # what the upstream is sent (see `upstream_params`)
     prompt_tokens: int  # the prompt as counted at admission: what a call without usage is billed
     routing: dict[str, Any] = field(default_factory=dict)  # usage.routing, once the call is settled
-    left: bool = False
+    released: bool = False  # its parallel slot, once
 
     async def complete(self) -> dict[str, Any]:
         """The answer as an OpenAI chat.completion body; settles the reservation."""
@@ -146,8 +146,8 @@ class Passing:
 
     async def release(self, runtime: Runtime) -> None:
         """Give back the request's parallel slot, once."""
-        if not self.left:
-            self.left = True
+        if not self.released:
+            self.released = True
             await release(runtime, self.tenant, self.id)
 
     def usage(self) -> dict[str, Any]:
