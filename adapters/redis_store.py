@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 from redis.exceptions import RedisError
 
@@ -124,6 +125,9 @@ return 1
 """
 
 UNLIMITED = -1
+# The continuation cache is one bounded set (entries and their index, which its script trims
+# together): one hash tag keeps it in one Cluster slot. Tenant ids cannot contain ":" (settings).
+CACHE_TAG = "cache:"
 SETTLED_MEMORY_S = 2 * 86_400
 T = TypeVar("T")
 log = logging.getLogger("gateway.store")
@@ -135,11 +139,10 @@ class RedisStore:
     """Store over one Redis; every method raises StoreUnavailable when Redis does not answer."""
 
     def __init__(self, url: str, prefix: str, timeout_s: float, reservation_ttl_s: float, cache_ttl_s: float,
-                 cache_max_entries: int = 10_000, threads: int = 4) -> None:
-        self._redis = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0), decode_responses=True, max_connections=threads,
-        )
+                 cache_max_entries: int = 10_000, threads: int = 4, cluster: bool = False) -> None:
+        options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+                       decode_responses=True, max_connections=threads)
+        self._redis = RedisCluster.from_url(url, **options) if cluster else redis.Redis.from_url(url, **options)
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="redis")
         self._prefix = prefix
         self._reservation_ttl_s = reservation_ttl_s
@@ -170,8 +173,13 @@ class RedisStore:
         self._failures = 0
         return result
 
+    def _key(self, tenant: str, *parts: object) -> str:
+        """A key of `tenant`'s: every one carries the tenant as its hash tag, so that all of a tenant's
+        keys live in one Redis Cluster slot and one script may touch them together."""
+        return ":".join((self._prefix, f"{{{tenant}}}", *map(str, parts)))
+
     def _window_keys(self, tenant: str, now: float) -> list[tuple[str, int]]:
-        return [(f"{self._prefix}:win:{tenant}:{period}:{start}", ttl) for period, start, ttl in windows_of(now)]
+        return [(self._key(tenant, "win", period, start), ttl) for period, start, ttl in windows_of(now)]
 
     async def _headroom_call(self, tenant: str, limits: Limits, now: float, reservation: Reservation | None,
                              ttl_s: float = 0.0) -> list[int]:
@@ -183,7 +191,7 @@ class RedisStore:
             _limit(limits.month_tokens), _limit_micro(limits.month_cost_usd),
             1 if reservation else 0,
         ]
-        keys = [f"{self._prefix}:held:{tenant}", day, month]
+        keys = [self._key(tenant, "held"), day, month]
         return await self._run(lambda: self._headroom_script(keys=keys, args=args))
 
     async def reserve(self, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float,
@@ -200,13 +208,14 @@ class RedisStore:
 
     async def settle(self, reservation: Reservation, billed: Billed, now: float) -> None:
         (day, day_ttl), (month, month_ttl) = self._window_keys(reservation.tenant, now)
-        keys = [f"{self._prefix}:settled:{reservation.id}", f"{self._prefix}:held:{reservation.tenant}", day, month]
+        keys = [self._key(reservation.tenant, "settled", reservation.id), self._key(reservation.tenant, "held"), day,
+                month]
         args = [_member(reservation), billed.prompt_tokens, billed.completion_tokens, to_micro(billed.cost_usd),
                 day_ttl + 86_400, month_ttl + 86_400, SETTLED_MEMORY_S, billed.cached_tokens, round(billed.compute_ms)]
         await self._run(lambda: self._settle_script(keys=keys, args=args))
 
     async def release(self, reservation: Reservation) -> None:
-        key = f"{self._prefix}:held:{reservation.tenant}"
+        key = self._key(reservation.tenant, "held")
         await self._run(lambda: self._redis.zrem(key, _member(reservation)))
 
     async def count_request(self, tenant: str, now: float) -> None:
@@ -238,7 +247,7 @@ class RedisStore:
         if limits == RateLimits():
             return None
         minute = int(now // 60)
-        keys = [f"{self._prefix}:rate:{tenant}:{minute}", f"{self._prefix}:par:{tenant}"]
+        keys = [self._key(tenant, "rate", minute), self._key(tenant, "par")]
         args = [now, now + self._reservation_ttl_s * 10, request_id, _limit(limits.requests_per_minute),
                 _limit(limits.tokens_per_minute), _limit(limits.max_parallel), tokens]
         verdict = await self._run(lambda: self._admit_script(keys=keys, args=args))
@@ -247,13 +256,13 @@ class RedisStore:
         return (minute + 1) * 60 - now if verdict == 0 else 1.0
 
     async def release_slot(self, tenant: str, request_id: str) -> None:
-        await self._run(lambda: self._redis.zrem(f"{self._prefix}:par:{tenant}", request_id))
+        await self._run(lambda: self._redis.zrem(self._key(tenant, "par"), request_id))
 
     async def cache_get(self, key: str) -> str | None:
-        return await self._run(lambda: self._redis.get(f"{self._prefix}:cache:{key}"))
+        return await self._run(lambda: self._redis.get(self._key(CACHE_TAG, "entry", key)))
 
     async def cache_put(self, key: str, value: str) -> None:
-        keys = [f"{self._prefix}:cache:{key}", f"{self._prefix}:cache-index"]
+        keys = [self._key(CACHE_TAG, "entry", key), self._key(CACHE_TAG, "index")]
         args = [value, int(self._cache_ttl_s), time.time(), self._cache_max_entries]
         await self._run(lambda: self._cache_put_script(keys=keys, args=args))
 

@@ -139,6 +139,7 @@ def make_upstream(name: str, settings: UpstreamSettings) -> Upstream:
 def _store(settings: Settings) -> Store:
     s = settings.store
     if s.backend == "redis":
-        return RedisStore(s.url, s.key_prefix, s.timeout_s, s.reservation_ttl_s, s.cache_ttl_s, s.cache_max_entries)
+        return RedisStore(s.url, s.key_prefix, s.timeout_s, s.reservation_ttl_s, s.cache_ttl_s, s.cache_max_entries,
+                          cluster=s.cluster)
     return MemoryStore(reservation_ttl_s=s.reservation_ttl_s, cache_ttl_s=s.cache_ttl_s,
                        cache_max_entries=s.cache_max_entries)

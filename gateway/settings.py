@@ -131,6 +131,8 @@ class ModelsSettings(Strict):
 class StoreSettings(Strict):
     backend: Literal["memory", "redis"] = Field("memory", description="memory: one process; redis: shared ledger.")
     url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis:// or rediss:// or unix://).")
+    cluster: bool = Field(False, description="The URL names a node of a Redis Cluster (each tenant's keys share one "
+                          "slot by their hash tag).")
     key_prefix: str = Field("rgw", description="Prefix of every Redis key.")
     timeout_s: float = Field(0.25, gt=0, description="Time-out of every Redis call.")
     reservation_ttl_s: float = Field(60.0, gt=0, description="A reservation left by a dead process expires after this.")

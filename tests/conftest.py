@@ -183,6 +183,62 @@ def redis_url() -> str:
     return url
 
 
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory) -> Iterator[str]:
+    """A real Redis Cluster of three masters on loopback (redis-server --cluster-enabled yes), made
+    with `redis-cli --cluster create`; yields the URL of one node."""
+    import redis
+
+    workdir, ports = tmp_path_factory.mktemp("redis-cluster"), [_cluster_port() for _ in range(3)]
+    nodes = [subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                               "--cluster-config-file", str(workdir / f"nodes-{port}.conf"), "--save", "",
+                               "--appendonly", "no", "--dir", str(workdir)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for port in ports]
+    try:
+        for port in ports:
+            _wait_redis(port)
+        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{port}" for port in ports),
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        deadline = time.monotonic() + 30
+        while redis.Redis(host="127.0.0.1", port=ports[0]).cluster("info").get("cluster_state") != "ok":
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Redis Cluster did not come up")
+            time.sleep(0.2)
+        yield f"redis://127.0.0.1:{ports[0]}/0"
+    finally:
+        for node in nodes:
+            stop(node)
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too (and so below 55536)."""
+    import random
+
+    while True:
+        port = random.randint(20_000, 45_000)
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10_000))
+            except OSError:
+                continue
+        return port
+
+
+def _wait_redis(port: int, timeout_s: float = 10.0) -> None:
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            redis.Redis(host="127.0.0.1", port=port, socket_timeout=1).ping()
+            return
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def router_file(directory: Path, sha: str | None = None, **changes) -> str:
     """A router trained on the synthetic set, for SmolLM2 unless `sha` says otherwise."""
     from adapters.model_files import model_sha256

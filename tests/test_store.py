@@ -16,13 +16,15 @@ NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc).timestamp()
 NEXT_DAY = datetime(2026, 12, 1, 0, 0, 1, tzinfo=timezone.utc).timestamp()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def store(request, redis_url):
     if request.param == "memory":
         yield MemoryStore(reservation_ttl_s=30, cache_max_entries=3)
         return
-    real = RedisStore(redis_url, f"test-{uuid.uuid4().hex[:8]}", timeout_s=1.0, reservation_ttl_s=30, cache_ttl_s=60,
-                      cache_max_entries=3)
+    cluster = request.param == "redis-cluster"  # every test below also runs against a real three-node cluster
+    url = request.getfixturevalue("redis_cluster_url") if cluster else redis_url
+    real = RedisStore(url, f"test-{uuid.uuid4().hex[:8]}", timeout_s=1.0, reservation_ttl_s=30, cache_ttl_s=60,
+                      cache_max_entries=3, cluster=cluster)
     yield real
     await real.close()
 
