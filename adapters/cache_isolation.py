@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import httpx
+from adapters.upstream_server import erase_slot, server_root
 
 
 class Isolation(Protocol):
@@ -79,13 +79,8 @@ class TenantSlots:
     @classmethod
     def of_server(cls, api_base: str, count: int, timeout_s: float) -> "TenantSlots":
         """Slots of the llama-server at `api_base` (its /v1 URL), erased with its slot action."""
-        root = api_base.removesuffix("/").removesuffix("/v1")
-
-        async def erase(slot: int) -> None:
-            async with httpx.AsyncClient(timeout=timeout_s) as client:
-                (await client.post(f"{root}/slots/{slot}", params={"action": "erase"})).raise_for_status()
-
-        return cls(count, erase)
+        root = server_root(api_base)
+        return cls(count, lambda slot: erase_slot(root, slot, timeout_s))
 
     @contextlib.asynccontextmanager
     async def lease(self, scope: str, key: str) -> AsyncIterator[dict[str, Any]]:

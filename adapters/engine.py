@@ -66,7 +66,6 @@ class Slot:
     owner: object | None = None  # the Sequence using it; None when free
     prompt: int = 0  # its request's prompt length: what is worth keeping once the request ends
     freed_at: float = 0.0
-    scope: str = ""  # the cache scope of the request that owns it (or owned it last)
     held_scope: str = ""  # the cache scope whose tokens `held` are (engine thread)
 
 
@@ -128,8 +127,8 @@ class Engine:
             async with self._freed:
                 await self._freed.wait_for(lambda: any(slot.owner is None for slot in self._slots))
                 slot = max((s for s in self._slots if s.owner is None), key=lambda s: self._fit(s, prompt, scope))
-                sequence = Sequence(self, slot)
-                slot.owner, slot.prompt, slot.scope = sequence, len(prompt), scope
+                sequence = Sequence(self, slot, scope)
+                slot.owner, slot.prompt = sequence, len(prompt)
         finally:
             self._waiting -= 1
         try:
@@ -144,14 +143,14 @@ class Engine:
     def _fit(slot: Slot, prompt: list[int], scope: str) -> int:
         """How well a free slot suits a prompt: the prefix it already holds (in this scope), less
         the tokens it would lose (a prefix another request may still want)."""
-        shared = common_prefix(slot.held, prompt) if slot.scope == scope else 0
+        shared = common_prefix(slot.held, prompt) if slot.held_scope == scope else 0
         return shared - (len(slot.held) - shared)
 
-    def _submit(self, slot: Slot, owner: object, tokens: list[int]) -> concurrent.futures.Future:
+    def _submit(self, slot: Slot, owner: object, tokens: list[int], scope: str) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             self._expected.discard(slot.id)
-            self._pending.append(_Job(slot, owner, tokens, future, slot.scope))
+            self._pending.append(_Job(slot, owner, tokens, future, scope))
             self._cond.notify()
         return future
 
@@ -336,13 +335,13 @@ class Engine:
 class Sequence:
     """One request's sequence in the engine."""
 
-    def __init__(self, engine: Engine, slot: Slot) -> None:
-        self._engine, self._slot = engine, slot
+    def __init__(self, engine: Engine, slot: Slot, scope: str) -> None:
+        self._engine, self._slot, self._scope = engine, slot, scope
 
     async def forward(self, tokens: list[int]) -> np.ndarray:
         """Make the sequence hold `tokens` (a list the caller no longer changes); return the
         logits for the next token (float32)."""
-        return await asyncio.wrap_future(self._engine._submit(self._slot, self, tokens))
+        return await asyncio.wrap_future(self._engine._submit(self._slot, self, tokens, self._scope))
 
     def pause(self) -> None:
         """Leave the batch until the next forward (while waiting for an upstream)."""

@@ -40,6 +40,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def server_root(api_base: str) -> str:
+    """A llama-server's own root URL (where /slots, /tokenize and /apply-template live) from its
+    OpenAI /v1 base URL."""
+    return api_base.removesuffix("/").removesuffix("/v1")
+
+
+async def erase_slot(root: str, slot: int, timeout_s: float) -> None:
+    """Empty one slot of the llama-server at `root` (it must run with `forgetful_args`)."""
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        (await client.post(f"{root}/slots/{slot}", params={"action": "erase"})).raise_for_status()
+
+
 def llama_server_binary() -> str:
     """The `llama-server` next to this Python (scripts/setup.sh links it there), else on PATH."""
     beside = Path(sys.executable).parent / "llama-server"
@@ -131,10 +143,8 @@ class UpstreamServer:
 
     async def forget(self, slots: int) -> None:
         """Erase what llama-server's `slots` sequences hold (it must run with `forgetful_args`)."""
-        root = self.api_base.removesuffix("/v1")
-        async with httpx.AsyncClient(timeout=30.0) as client:
-            for slot in range(slots):
-                (await client.post(f"{root}/slots/{slot}", params={"action": "erase"})).raise_for_status()
+        for slot in range(slots):
+            await erase_slot(server_root(self.api_base), slot, 30.0)
 
     def log_tail(self) -> str:
         lines = Path(self._log.name).read_text(errors="replace").strip().splitlines()

@@ -25,6 +25,7 @@ from adapters.upstream_errors import (
     status_of,
     upstream_message,
 )
+from adapters.upstream_server import server_root
 from adapters.upstream_settings import UpstreamSettings, api_key_of
 from adapters.vocabulary import Vocabulary
 
@@ -63,7 +64,7 @@ class WholeRequests:
         counts it (/tokenize). None elsewhere, or when the server does not answer."""
         if self._settings.kind != "llama-server" or not self._settings.api_base:
             return None
-        root = self._settings.api_base.removesuffix("/").removesuffix("/v1")
+        root = server_root(self._settings.api_base)
         body = {k: params[k] for k in ("messages", "tools", "tool_choice", "parallel_tool_calls") if k in params}
         try:
             async with httpx.AsyncClient(timeout=self._settings.timeout_s) as client:

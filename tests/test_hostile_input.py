@@ -239,3 +239,25 @@ def test_vllm_gets_one_cache_salt_per_scope():
 
     a, again, b = run(salts())
     assert a == again != b and vllm.isolation.reveals_cache
+
+
+def test_client_metadata_goes_to_the_provider_as_data_never_as_litellms_own(monkeypatch):
+    import adapters.whole_requests
+    from adapters.upstream import Upstream
+    from gateway.settings import UpstreamSettings
+
+    sent: list[dict] = []
+
+    class RecordingLitellm:  # stands for the litellm module: records the one call it gets
+        @staticmethod
+        async def acompletion(**kwargs):
+            sent.append(kwargs)
+            return "response"
+
+    monkeypatch.setattr(adapters.whole_requests, "litellm", lambda: RecordingLitellm)
+    upstream = Upstream("up", UpstreamSettings(model="openai/x", mode="chat_fallback"), None)
+    params = {"messages": [USER], "metadata": {"ticket": "T-1"}, "user": "u"}
+    assert run(upstream.whole.chat(params, "tenant:a")) == "response"
+    assert "metadata" not in sent[0] and sent[0]["extra_body"] == {"metadata": {"ticket": "T-1"}}
+    assert sent[0]["user"] == "u" and "metadata" not in sent[0]["allowed_openai_params"]
+    assert params["metadata"] == {"ticket": "T-1"}  # the caller's params are left as they were
