@@ -74,6 +74,10 @@ class TokensMode:
         return Handoff("", messages, "", continue_final, prefix_ids=tuple(ids), request_key=uuid.uuid4().hex,
                        scope=scope)
 
+    def text_handoff(self, prompt: str, scope: str) -> Handoff:
+        ids = self._vocab.prompt_ids([(prompt, True)])
+        return Handoff("", [], "", prefix_ids=tuple(ids), request_key=uuid.uuid4().hex, scope=scope)
+
     def with_answer(self, handoff: Handoff, answer: str) -> Handoff:
         """Only the new text is tokenized, together with the last id sent (so a boundary that
         merges becomes one token); every earlier id stays as the upstream already holds it."""
@@ -112,6 +116,10 @@ class TextMode:
         return Handoff(self._prefix(messages, continue_final), messages, "", continue_final,
                        request_key=uuid.uuid4().hex, scope=scope)
 
+    def text_handoff(self, prompt: str, scope: str) -> Handoff | None:
+        """Raw text to continue: None, a chat provider continues chats only (see CompletionsMode)."""
+        return None
+
     def _prefix(self, messages: list[dict[str, Any]], continue_final: bool) -> str:
         """A stable serialisation of the conversation, for cache keys and token estimates."""
         return "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages) + "\x1d"
@@ -132,6 +140,9 @@ class CompletionsMode(TextMode):
 
     def _prefix(self, messages: list[dict[str, Any]], continue_final: bool) -> str:
         return self._vocab.template.render(messages, continue_final)
+
+    def text_handoff(self, prompt: str, scope: str) -> Handoff:
+        return Handoff(self._neutral(prompt), [], "", request_key=uuid.uuid4().hex, scope=scope)
 
     async def call(self, handoff: Handoff, common: dict[str, Any], extra_body: dict[str, Any]) -> Any:
         return await litellm().atext_completion(prompt=handoff.text, extra_body=extra_body, **common)

@@ -122,6 +122,8 @@ class Engine:
     @contextlib.asynccontextmanager
     async def sequence(self, prompt: list[int], scope: str = "") -> AsyncIterator["Sequence"]:
         """A sequence of its own for one request in cache `scope`, until the block exits."""
+        if not prompt:  # nothing to decode from: its first step would never produce logits
+            raise ValueError("a sequence needs at least one prompt token")
         self._waiting += 1
         try:
             async with self._freed:

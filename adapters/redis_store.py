@@ -1,15 +1,17 @@
 """RedisStore: the Store seam over Redis, shared by every gateway process and replica.
 
 Keys (all under one prefix, all with TTLs so nothing needs sweeping; TTLs are relative, so a
-caller's clock that differs from Redis's never expires a key early):
-  {p}:win:{tenant}:{period}:{start}   hash: prompt_tokens, completion_tokens, cost_micro, requests,
+caller's clock that differs from Redis's never expires a key early). Each tenant's keys carry the
+tenant as their hash tag, so one Redis Cluster slot holds them all:
+  {p}:{tenant}:win:{period}:{start}   hash: prompt_tokens, completion_tokens, cost_micro, requests,
                                       cached_tokens, compute_ms
-  {p}:held:{tenant}                   zset of live reservations "id|tokens|cost_micro", score = expiry
-  {p}:rate:{tenant}:{minute}          hash: requests, tokens admitted in one minute
-  {p}:par:{tenant}                    zset of requests in flight, score = expiry
-  {p}:settled:{reservation id}        marks a settled reservation, so a retried settle bills nothing
-  {p}:cache:{key}                     cached upstream continuations, indexed by write time in
-  {p}:cache-index                     zset of cache keys; the oldest go past `cache_max_entries`
+  {p}:{tenant}:held                   zset of live reservations "id|tokens|cost_micro", score = expiry
+  {p}:{tenant}:rate:{minute}          hash: requests, tokens admitted in one minute
+  {p}:{tenant}:par                    zset of requests in flight, score = expiry
+  {p}:{tenant}:settled:{reservation}  marks a settled reservation, so a retried settle bills nothing
+  {p}:{tenant}:resp:{response id}     a stored Responses API response (JSON), for its own TTL
+  {p}:{cache:}:entry:{key}            cached upstream continuations, indexed by write time in
+  {p}:{cache:}:index                  zset of cache keys; the oldest go past `cache_max_entries`
 Reservations are taken by a Lua script, so concurrent requests in any number of processes cannot
 together pass a limit; settlement is another script, exactly-once per reservation id.
 
@@ -265,6 +267,16 @@ class RedisStore:
         keys = [self._key(CACHE_TAG, "entry", key), self._key(CACHE_TAG, "index")]
         args = [value, int(self._cache_ttl_s), time.time(), self._cache_max_entries]
         await self._run(lambda: self._cache_put_script(keys=keys, args=args))
+
+    async def response_put(self, tenant: str, response_id: str, value: str, ttl_s: float) -> None:
+        key = self._key(tenant, "resp", response_id)
+        await self._run(lambda: self._redis.set(key, value, ex=max(1, int(ttl_s))))
+
+    async def response_get(self, tenant: str, response_id: str) -> str | None:
+        return await self._run(lambda: self._redis.get(self._key(tenant, "resp", response_id)))
+
+    async def response_delete(self, tenant: str, response_id: str) -> bool:
+        return bool(await self._run(lambda: self._redis.delete(self._key(tenant, "resp", response_id))))
 
     async def ping(self) -> bool:
         try:

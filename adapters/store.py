@@ -155,6 +155,15 @@ class Store(Protocol):
     async def cache_put(self, key: str, value: str) -> None:
         """Keep `value` for the cache TTL; the least recently written entries go past the size cap."""
 
+    async def response_put(self, tenant: str, response_id: str, value: str, ttl_s: float) -> None:
+        """Keep a stored Responses API response of `tenant`'s for `ttl_s` seconds."""
+
+    async def response_get(self, tenant: str, response_id: str) -> str | None:
+        """`tenant`'s stored response, or None (unknown, expired, deleted, or another tenant's)."""
+
+    async def response_delete(self, tenant: str, response_id: str) -> bool:
+        """Forget `tenant`'s stored response; False if there was none."""
+
     async def ping(self) -> bool: ...
 
     async def close(self) -> None: ...
@@ -177,12 +186,14 @@ class MemoryStore:
     reservation_ttl_s: float = 60.0
     cache_ttl_s: float = 86_400.0
     cache_max_entries: int = 10_000
+    responses_max_entries: int = 10_000
     _windows: dict[tuple[str, str, str], _Window] = field(default_factory=dict)
     _held: dict[str, dict[str, tuple[Reservation, float]]] = field(default_factory=dict)
     _minute: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # (requests, tokens)
     _parallel: dict[str, dict[str, float]] = field(default_factory=dict)
     _cache: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
     _settled: OrderedDict[str, float] = field(default_factory=OrderedDict)  # reservation id -> when to forget it
+    _responses: OrderedDict[tuple[str, str], tuple[str, float]] = field(default_factory=OrderedDict)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def _window(self, tenant: str, period: str, start: str) -> _Window:
@@ -290,6 +301,19 @@ class MemoryStore:
         self._cache[key] = (value, time.time() + self.cache_ttl_s)
         while len(self._cache) > self.cache_max_entries:
             self._cache.popitem(last=False)
+
+    async def response_put(self, tenant: str, response_id: str, value: str, ttl_s: float) -> None:
+        self._responses[(tenant, response_id)] = (value, time.time() + ttl_s)
+        while len(self._responses) > self.responses_max_entries:  # one process's memory: the oldest go
+            self._responses.popitem(last=False)
+
+    async def response_get(self, tenant: str, response_id: str) -> str | None:
+        hit = self._responses.get((tenant, response_id))
+        return hit[0] if hit is not None and hit[1] > time.time() else None
+
+    async def response_delete(self, tenant: str, response_id: str) -> bool:
+        hit = self._responses.pop((tenant, response_id), None)
+        return hit is not None and hit[1] > time.time()
 
     async def ping(self) -> bool:
         return True

@@ -62,6 +62,8 @@ class Continuations(Protocol):
     def handoff(self, messages: list[dict[str, Any]], continue_final: bool = False,
                 scope: str = "shared") -> Handoff: ...
 
+    def text_handoff(self, prompt: str, scope: str = "shared") -> Handoff | None: ...
+
     def with_answer(self, handoff: Handoff, answer: str) -> Handoff: ...
 
     def cache_key(self, handoff: Handoff, max_tokens: int, scope: str) -> str: ...
@@ -104,6 +106,11 @@ class Upstream:
         """A hand-off of an empty answer in cache `scope`; the decoder replaces `answer` as the
         answer grows. Content reaches the upstream as text, never as markup of its template."""
         return self._mode.handoff(messages, continue_final, scope)
+
+    def text_handoff(self, prompt: str, scope: str = "shared") -> Handoff | None:
+        """A hand-off of raw text (a legacy completion's prompt, as plain text) with an empty
+        answer; None when this upstream's mode continues chats only."""
+        return self._mode.text_handoff(prompt, scope)
 
     def with_answer(self, handoff: Handoff, answer: str) -> Handoff:
         """The hand-off of `answer` so far, given the previous hand-off of this request."""

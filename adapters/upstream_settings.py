@@ -69,12 +69,13 @@ class UpstreamSettings(Strict):
     warm: bool = Field(
         False, description="tokens mode: send the prompt (no answer) when a routed request starts, so the "
         "upstream's cache holds it by the first hand-off.")
-    kind: Literal["llama-server", "vllm", "provider"] = Field(
+    kind: Literal["llama-server", "vllm", "llama-cpp-python", "provider"] = Field(
         "provider", description="What serves this upstream, which says how tenants are kept apart in its prefix "
-        "cache and how a request passed through is counted: llama-server (each tenant's calls go to slots only it "
+        "cache, how a request passed through is counted, and which message shapes its parser needs "
+        "(adapters/message_shapes.py): llama-server (each tenant's calls go to slots only it "
         "has used: start it with --cache-ram 0 --slot-save-path DIR, and give `slots`; pass-through prompts are "
-        "counted with its /apply-template and /tokenize), vllm (a per-tenant cache_salt), provider (anything else). "
-        "A launched llama-server is llama-server by itself.")
+        "counted with its /apply-template and /tokenize), vllm (a per-tenant cache_salt), llama-cpp-python (its "
+        "OpenAI server), provider (anything else). A launched server is of its own kind by itself.")
     slots: int | None = Field(None, ge=1, le=64, description="llama-server: its --parallel (a launched one: launch.parallel).")
     cache_isolation: Literal["tenant", "shared"] = Field(
         "tenant", description="tenant: no tenant can tell from an answer's fields or timing that another sent the same "

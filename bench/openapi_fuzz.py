@@ -6,7 +6,8 @@ Starts a llama-server upstream (SmolLM2) and a gateway process (SmolLM2 local, t
 model names as aliases that pass through to that upstream what the local model cannot serve; the
 same helpers as tests/test_openapi_fuzz.py), sends positive cases (bodies the schema
 accepts) generated from (a) tests/data/openai-chat-completions.openapi.json, POST /chat/completions,
-and (b) the gateway's own /openapi.json, every operation. Prints counts by status code, the served
+(b) tests/data/openai-responses.openapi.json, the Responses API, and (c) the gateway's own
+/openapi.json, every operation. Prints counts by status code, the served
 (2xx) share, the number of 5xx and any check failures (a 5xx other than a 502 passing on the
 upstream's own failure, or a non-2xx response that is not OpenAI's error envelope). Exits 1 on any
 check failure.
@@ -28,6 +29,7 @@ from tests.test_openapi_fuzz import (
     fuzz_gateway,
     load_gateway_spec,
     load_openai_spec,
+    load_responses_spec,
     names_param_on_400,
 )
 
@@ -49,6 +51,8 @@ def main() -> int:
             fuzz_gateway(Path(tmp), upstream) as gateway:
         for name, schema, base_url, examples, extra in (
             ("openai spec", load_openai_spec(), f"{gateway.base_url}/v1", args.examples, (names_param_on_400,)),
+            ("openai responses spec", load_responses_spec(), f"{gateway.base_url}/v1", args.examples,
+             (names_param_on_400,)),
             ("gateway spec", load_gateway_spec(gateway.base_url), gateway.base_url, gateway_examples, ()),
         ):
             started = time.monotonic()

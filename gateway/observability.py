@@ -345,6 +345,9 @@ class MeteredUpstream:
     def handoff(self, messages: list[dict[str, Any]], continue_final: bool = False, scope: str = "shared") -> Handoff:
         return self.inner.handoff(messages, continue_final, scope)
 
+    def text_handoff(self, prompt: str, scope: str = "shared") -> Handoff | None:
+        return self.inner.text_handoff(prompt, scope)
+
     def with_answer(self, handoff: Handoff, answer: str) -> Handoff:
         return self.inner.with_answer(handoff, answer)
 

@@ -111,6 +111,8 @@ class Runtime:
             update: dict = {"api_base": server.api_base}
             if launch.server == "llama-server":
                 update.update(kind="llama-server", slots=launch.parallel)
+            else:
+                update.update(kind="llama-cpp-python")
             settings = settings.model_copy(update=update)
         return make_upstream(name, settings)
 
@@ -142,4 +144,4 @@ def _store(settings: Settings) -> Store:
         return RedisStore(s.url, s.key_prefix, s.timeout_s, s.reservation_ttl_s, s.cache_ttl_s, s.cache_max_entries,
                           cluster=s.cluster)
     return MemoryStore(reservation_ttl_s=s.reservation_ttl_s, cache_ttl_s=s.cache_ttl_s,
-                       cache_max_entries=s.cache_max_entries)
+                       cache_max_entries=s.cache_max_entries, responses_max_entries=s.responses_max_entries)

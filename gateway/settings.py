@@ -138,6 +138,10 @@ class StoreSettings(Strict):
     reservation_ttl_s: float = Field(60.0, gt=0, description="A reservation left by a dead process expires after this.")
     cache_ttl_s: float = Field(86_400.0, gt=0, description="Lifetime of cached upstream continuations.")
     cache_max_entries: int = Field(10_000, ge=1, description="Most cached continuations kept (oldest dropped first).")
+    responses_ttl_s: float = Field(30 * 86_400.0, gt=0, description="Lifetime of stored Responses API responses "
+                                   "(`store: true`), after which `previous_response_id` cannot name them.")
+    responses_max_entries: int = Field(10_000, ge=1, description="Most stored responses the memory backend keeps "
+                                       "(oldest dropped first); Redis keeps each for its TTL.")
 
     @field_validator("url")
     @classmethod

@@ -128,6 +128,9 @@ class FakeUpstream:
     def handoff(self, messages: list[dict], continue_final: bool = False, scope: str = "shared") -> Handoff:
         return Handoff("", messages, "", continue_final, scope=scope)
 
+    def text_handoff(self, prompt: str, scope: str = "shared") -> Handoff:
+        return Handoff(prompt, [], "", scope=scope)
+
     def with_answer(self, handoff: Handoff, answer: str) -> Handoff:
         return dataclasses.replace(handoff, answer=answer)
 

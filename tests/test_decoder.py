@@ -20,12 +20,12 @@ VOCAB = ["Par", "is", "Paris", " is", " nice", " big", *sorted(set("Paris is nic
 
 
 def make(local, upstream, policy="always", max_tokens=20, span=1, stop=(), limits=Limits(), store=None,
-         span_until="tokens", grammar=None, **kw):
+         span_until="tokens", grammar=None, prompt=None, **kw):
     store = store or MemoryStore()
     gate = HandoffGate(Ledger(store), "t", limits, allowed=True)
     request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=max_tokens,
                             policy=build_policy(policy, **kw), span=span, stop=stop, span_until=span_until,
-                            grammar=grammar)
+                            grammar=grammar, prompt=prompt)
     return Decoding(local, upstream, gate, request), store
 
 
@@ -50,6 +50,27 @@ async def test_boundary_that_remerges_becomes_one_upstream_token():
     assert decoding.sources[0] == "upstream"
     assert "".join(p.text for p in pieces) == bytes(decoding.answer_bytes).decode()
     invariant(decoding)
+
+
+async def test_a_raw_prompt_is_continued_as_text_and_handed_off_as_text():
+    local = FakeLocalModel(VOCAB, "")
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=3)
+    decoding, _ = make(local, upstream, prompt="The capital of France: ")
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is nice." and local.prompt_length == len("The capital of France: ")
+    assert upstream.calls[0].prefix == "The capital of France: " and upstream.calls[0].messages == []
+
+
+async def test_a_raw_prompt_stays_local_when_the_upstream_continues_chats_only():
+    class ChatsOnly(FakeUpstream):
+        def text_handoff(self, prompt: str, scope: str = "shared") -> None:
+            return None
+
+    upstream = ChatsOnly("Paris is nice.")
+    decoding, _ = make(FakeLocalModel(VOCAB, "Paris is nice."), upstream, prompt="The capital of France: ")
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is nice." and upstream.calls == []
+    assert decoding.usage.degraded == ["upstream_continues_chats_only"]
 
 
 async def test_always_writes_everything_upstream_and_bills_each_call():

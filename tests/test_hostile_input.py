@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -119,6 +120,7 @@ def test_blockers_carry_a_bounded_reason_for_metrics():
 
 class NeutralUpstream:
     neutral = staticmethod(neutralize)
+    settings = SimpleNamespace(kind="provider")
 
 
 def test_pass_through_neutralizes_what_the_upstream_would_read_as_markup():

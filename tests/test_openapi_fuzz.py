@@ -2,12 +2,14 @@
 
 (a) OpenAI's published description of chat completions (tests/data/openai-chat-completions.openapi.json,
     narrowed for fuzzing, see tests/data/README.md): POST /chat/completions against <gateway>/v1;
-(b) the gateway's own /openapi.json: every operation it describes, none skipped.
+(b) the gateway's own /openapi.json: every operation it describes, none skipped;
+(c) OpenAI's published description of the Responses API (tests/data/openai-responses.openapi.json):
+    POST /responses, GET and DELETE /responses/{id}.
 
 The property: no response is a 5xx (schemathesis' `not_a_server_error`), except a 502 `upstream_unavailable`
 that passes on the upstream's own failure for a request sent to it whole (counted and printed: the
 llama-server upstream answers 500 to some message shapes it cannot parse), and every non-2xx response has
-OpenAI's error shape {"error": {"message", "type", "param", "code"}}; for (a), whose bodies OpenAI
+OpenAI's error shape {"error": {"message", "type", "param", "code"}}; for (a) and (c), whose bodies OpenAI
 accepts, a 400 must also name the refused field in `param`. The share of (a)'s requests that were
 served (2xx) is printed, not asserted. Fixed seed, bounded examples, loopback only: schemathesis is
 given the specs as data and fetches nothing itself.
@@ -41,6 +43,7 @@ from tests.conftest import DEMO_KEY, LiveGateway, gateway_config, live_gateway
 pytestmark = pytest.mark.integration
 
 OPENAI_SPEC = Path(__file__).resolve().parent / "data" / "openai-chat-completions.openapi.json"
+RESPONSES_SPEC = Path(__file__).resolve().parent / "data" / "openai-responses.openapi.json"
 # The narrowed OpenAI spec's `model` enum; the fuzz gateway serves both names: local decoding,
 # and the llama-server upstream for what only it can serve (tools, images, ...).
 ALIASES = ("smollm2-routed", "smollm2-local")
@@ -48,6 +51,7 @@ AUTH = {"Authorization": f"Bearer {DEMO_KEY}"}
 SEED = 20261130
 OPENAI_EXAMPLES = 60
 GATEWAY_EXAMPLES = 40
+RESPONSES_EXAMPLES = 40
 REQUEST_TIMEOUT_S = 60
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -175,22 +179,7 @@ def documented_contract(spec: dict) -> dict:
     `top_logprobs` needs `logprobs: true` (both in their descriptions' words). Objects inside the
     request stay open, as the API leaves them."""
     schemas = spec["components"]["schemas"]
-
-    def flat(schema: dict) -> tuple[dict, list]:
-        properties, required = {}, []
-        for part in schema.get("allOf", [schema]):
-            if "$ref" in part:
-                part = schemas[part["$ref"].rsplit("/", 1)[1]]
-            if "allOf" in part:
-                more, more_required = flat(part)
-                properties.update(more)
-                required += more_required
-            else:
-                properties.update(part.get("properties", {}))
-                required += part.get("required", [])
-        return properties, required
-
-    properties, required = flat(schemas["CreateChatCompletionRequest"])
+    properties, required = _flat(schemas, schemas["CreateChatCompletionRequest"])
     properties["logit_bias"] = {**properties["logit_bias"], "propertyNames": {"pattern": "^[0-9]{1,5}$"},
                                 "additionalProperties": {"type": "integer", "minimum": -100, "maximum": 100}}
     schemas["CreateChatCompletionRequest"] = {
@@ -199,6 +188,36 @@ def documented_contract(spec: dict) -> dict:
         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
     }
     return spec
+
+
+def load_responses_spec(config: schemathesis.Config | None = None):
+    """(c): OpenAI's description of the Responses API (create, retrieve, delete), its create body
+    closed at the top level as the API enforces it, `model` one of the test aliases and
+    `max_output_tokens` required at OpenAI's minimum of 16, so that bodies reach the decoder quickly."""
+    spec = json.loads(RESPONSES_SPEC.read_text())
+    schemas = spec["components"]["schemas"]
+    properties, required = _flat(schemas, schemas["CreateResponse"])
+    properties["model"] = {"type": "string", "enum": list(ALIASES)}
+    properties["max_output_tokens"] = {"type": "integer", "minimum": 16, "maximum": 16}
+    schemas["CreateResponse"] = {"type": "object", "properties": properties, "additionalProperties": False,
+                                 "required": sorted({*required, "model", "max_output_tokens"})}
+    return schemathesis.openapi.from_dict(spec, config=config or schemathesis.Config())
+
+
+def _flat(schemas: dict, schema: dict) -> tuple[dict, list]:
+    """The properties and required names of an allOf of objects, as one object's."""
+    properties, required = {}, []
+    for part in schema.get("allOf", [schema]):
+        if "$ref" in part:
+            part = schemas[part["$ref"].rsplit("/", 1)[1]]
+        if "allOf" in part:
+            more, more_required = _flat(schemas, part)
+            properties.update(more)
+            required += more_required
+        else:
+            properties.update(part.get("properties", {}))
+            required += part.get("required", [])
+    return properties, required
 
 
 def load_gateway_spec(base_url: str, config: schemathesis.Config | None = None):
@@ -268,6 +287,14 @@ def test_openai_published_spec_positive_cases(gateway, capsys):
                   extra_checks=(names_param_on_400,))
     show(capsys, report)
     assert report.total() >= OPENAI_EXAMPLES // 2, report.summary()  # hypothesis really generated cases
+    assert not report.failures, "\n\n".join(report.failures[:10])
+
+
+def test_openai_responses_spec_positive_cases(gateway, capsys):
+    report = fuzz(load_responses_spec(), f"{gateway.base_url}/v1", name="openai responses spec",
+                  examples=RESPONSES_EXAMPLES, extra_checks=(names_param_on_400,))
+    show(capsys, report)
+    assert report.total() >= RESPONSES_EXAMPLES, report.summary()  # hypothesis really generated cases
     assert not report.failures, "\n\n".join(report.failures[:10])
 
 

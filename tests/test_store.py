@@ -108,6 +108,23 @@ async def test_cache_round_trip(store):
     assert await store.cache_get("k") == "0 Paris"
 
 
+async def test_stored_responses_are_per_tenant_and_deletable(store):
+    await store.response_put("alice", "resp_1", '{"id": "resp_1"}', ttl_s=60)
+    assert await store.response_get("alice", "resp_1") == '{"id": "resp_1"}'
+    assert await store.response_get("bob", "resp_1") is None  # another tenant never reads it
+    assert await store.response_delete("bob", "resp_1") is False
+    assert await store.response_delete("alice", "resp_1") is True
+    assert await store.response_get("alice", "resp_1") is None
+    assert await store.response_delete("alice", "resp_1") is False
+
+
+async def test_stored_responses_expire(store):
+    await store.response_put("alice", "resp_2", "{}", ttl_s=1)
+    assert await store.response_get("alice", "resp_2") == "{}"
+    await asyncio.sleep(1.1)
+    assert await store.response_get("alice", "resp_2") is None
+
+
 async def test_settling_twice_bills_once(store):
     limits = Limits(day_tokens=100)
     reservation = await store.reserve("t", 50, 0.0, limits, NOW)

@@ -1,4 +1,5 @@
-"""SSE framing when decoding fails after the stream started: one error event, no [DONE]."""
+"""SSE framing when decoding fails after the stream started: one error event (no [DONE] in chat
+completions; an `error` event and no response.completed in the Responses API)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import json
 from types import SimpleNamespace
 
 from gateway.admission.chat import Admitted
-from gateway.api.chat_completions import _stream
+from gateway.api.chat_completions import open_chunks, sse_stream
 from gateway.api.errors import GatewayError
+from gateway.api.responses_api import _events
 from gateway.api.schemas import ChatCompletionRequest
 from gateway.decoding.decoder import Piece
+from gateway.responses.output import ResponseDraft
+from gateway.responses.request import ResponsesRequest
 
 
 class BrokenDecoding:
@@ -22,10 +26,15 @@ class BrokenDecoding:
         raise RuntimeError("llama.cpp exploded")
 
 
+async def sse_data(admitted: Admitted) -> list[str]:
+    chunks = await open_chunks(SimpleNamespace(), admitted)
+    return [event["data"] async for event in sse_stream(SimpleNamespace(), admitted, chunks)]
+
+
 async def test_error_after_the_stream_started_is_one_error_event():
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
     admitted = Admitted("chatcmpl-x", 0, None, None, body, [BrokenDecoding()], released=True)  # holds no slot
-    events = [event["data"] async for event in _stream(SimpleNamespace(), admitted)]
+    events = await sse_data(admitted)
     assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
     error = json.loads(events[-1])
     assert set(error) == {"error"} and error["error"]["type"] == "server_error"
@@ -41,5 +50,17 @@ async def test_gateway_error_mid_stream_keeps_its_status_type():
 
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
     admitted = Admitted("chatcmpl-y", 0, None, None, body, [Refusing()], released=True)
-    events = [event["data"] async for event in _stream(SimpleNamespace(), admitted)]
+    events = await sse_data(admitted)
     assert json.loads(events[-1])["error"]["message"] == "the local model stopped"
+
+
+async def test_responses_stream_error_is_an_error_event_and_nothing_completes():
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+    admitted = Admitted("chatcmpl-z", 0, None, None, body, [BrokenDecoding()], released=True)
+    draft = ResponseDraft(ResponsesRequest(model="m", input="hi", stream=True))
+    chunks = await open_chunks(SimpleNamespace(), admitted)
+    events = [json.loads(e["data"]) async for e in _events(SimpleNamespace(), None, admitted, chunks, draft, [])]
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress", "error"]  # never response.completed
+    assert events[-1]["code"] is None and "exploded" not in events[-1]["message"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))

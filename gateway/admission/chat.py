@@ -7,7 +7,8 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -20,7 +21,7 @@ from gateway.admission.limits import admit_rates, release
 from gateway.admission.passthrough import Blocker, Passing
 from gateway.admission.tenants import Tenant
 from gateway.api.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, quoted
-from gateway.api.schemas import ChatCompletionRequest
+from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.api.streams import merged
 from gateway.decoding.decoder import DecodeRequest, Decoding, Piece
 from gateway.decoding.logit_rules import LogitRules
@@ -41,8 +42,8 @@ class Admitted:
     created: int
     alias: Alias
     tenant: Tenant
-    body: ChatCompletionRequest
-    decodings: list[Decoding]  # one per choice (`n`), decoded together
+    body: ChatCompletionRequest | CompletionRequest
+    decodings: list[Decoding]  # one per choice (`n` of each prompt), decoded together
     released: bool = False  # its parallel slot, once
 
     def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
@@ -103,9 +104,7 @@ async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -
     """Refuse now (never mid-stream) whatever this request cannot get; else start it, on the
     token-level path or, when the local model cannot serve it, passed through whole."""
     body.check()
-    alias = runtime.aliases.get(body.model)
-    if alias is None or not tenant.may_use(body.model):
-        raise ModelNotFound(f"The model '{quoted(body.model)}' does not exist or you do not have access to it.", param="model")
+    alias = alias_for(runtime, tenant, body.model)
     blocker = passthrough.blocker_of(body, runtime.settings.server.max_tokens_limit)
     grammar = None
     if blocker is None:
@@ -115,6 +114,30 @@ async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -
             blocker = Blocker("response_format", f"{exc}, and only the upstream model can follow it")
     if blocker is not None:
         return await passthrough.admit(runtime, tenant, alias, body, blocker)
+    return await start(runtime, tenant, alias, body, Prompts(messages=wire_messages(body)), grammar)
+
+
+def alias_for(runtime: Runtime, tenant: Tenant, model: str) -> Alias:
+    """The alias `model` names, if this tenant may use it; else 404."""
+    alias = runtime.aliases.get(model)
+    if alias is None or not tenant.may_use(model):
+        raise ModelNotFound(f"The model '{quoted(model)}' does not exist or you do not have access to it.",
+                            param="model")
+    return alias
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """What the choices continue: a chat (`messages`), or raw texts (legacy completions: `n`
+    choices of each, in order)."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    texts: tuple[str | None, ...] = (None,)
+
+
+async def start(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatCompletionRequest | CompletionRequest,
+                prompts: Prompts, grammar: str | None = None) -> Admitted:
+    """Start `body` on the token-level path: `body.n` choices of each prompt, decoded together."""
     if any(int(token) >= alias.local.n_vocab for token in body.logit_bias or ()):
         raise InvalidRequest(f"logit_bias names a token id outside the local model's vocabulary of "
                              f"{alias.local.n_vocab}", param="logit_bias")
@@ -127,15 +150,18 @@ async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -
     gate = HandoffGate(runtime.ledger, tenant.id, tenant.limits, allowed=tenant.settings.allow_upstream,
                        refusal="budget_exhausted" if tenant.settings.allow_upstream else "upstream_forbidden",
                        cache_scope=tenant.cache_scope)
-    decodings = [_decoding(alias, gate, body, routing, max_tokens, grammar, choice) for choice in range(body.n)]
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    first = decodings[0]
-    await admit_rates(runtime, tenant, gate, request_id, tokens=len(first.prompt_tokens) + first.limit * body.n)
+    decodings = [_decoding(alias, gate, body, prompts, text, routing, max_tokens, grammar, choice)
+                 for text in prompts.texts for choice in range(body.n)]
+    kind = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
+    request_id = f"{kind}-{uuid.uuid4().hex}"
+    prompt_tokens = sum(len(d.prompt_tokens) for d in decodings[::body.n])
+    await admit_rates(runtime, tenant, gate, request_id, tokens=prompt_tokens + sum(d.limit for d in decodings))
     return Admitted(request_id, int(time.time()), alias, tenant, body, decodings)
 
 
-def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, routing: RoutingSettings,
-              max_tokens: int, grammar: str | None, choice: int) -> Decoding:
+def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | CompletionRequest, prompts: Prompts,
+              text: str | None, routing: RoutingSettings, max_tokens: int, grammar: str | None,
+              choice: int) -> Decoding:
     """The decoding of one choice; choices differ by seed (seed + choice) when they sample."""
     try:
         policy = build_policy(routing.policy, routing.threshold, routing.target_fraction,
@@ -143,20 +169,25 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest, rout
                               window=alias.entropy_window(gate.tenant), router=alias.router)
     except RouterError as exc:  # a target_fraction outside the shares the router was fitted for
         raise InvalidRequest(str(exc), param="routing.target_fraction") from exc
+    chat = isinstance(body, ChatCompletionRequest)
+    logprobs, top_logprobs = body.token_logprobs()
     request = DecodeRequest(
-        messages=wire_messages(body), max_tokens=max_tokens, policy=policy,
+        messages=prompts.messages, prompt=text, max_tokens=max_tokens, policy=policy,
         sampling=Sampling(body.temperature, body.top_p), seed=None if body.seed is None else body.seed + choice,
         stop=tuple(body.stop or ()),
-        span=routing.span, span_until=routing.span_until, continue_final=body.continue_final_message,
-        logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
+        span=routing.span, span_until=routing.span_until, continue_final=chat and body.continue_final_message,
+        logprobs=logprobs, top_logprobs=top_logprobs,
         rules=LogitRules.of(body.presence_penalty, body.frequency_penalty, body.logit_bias), grammar=grammar,
     )
     try:
         decoding = Decoding(alias.local, alias.continuations, gate, request)
     except TemplateError as exc:
         raise InvalidRequest(str(exc), param="messages") from exc
+    if not decoding.prompt_tokens:  # raw text that tokenizes to nothing, for a model without BOS
+        raise InvalidRequest("a prompt must hold at least one token", param="prompt")
     if decoding.limit <= 0:
         raise ContextLengthExceeded(
-            f"This model's maximum context length is {alias.local.n_ctx} tokens; the messages use "
-            f"{len(decoding.prompt_tokens)}.", param="messages")
+            f"This model's maximum context length is {alias.local.n_ctx} tokens; the "
+            f"{'messages' if chat else 'prompt'} use {len(decoding.prompt_tokens)}.",
+            param="messages" if chat else "prompt")
     return decoding

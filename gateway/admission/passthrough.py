@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from adapters.message_shapes import for_upstream
 from adapters.store import Billed, Reservation
 from adapters.upstream import Upstream, UpstreamRejected, UpstreamUnavailable
 from gateway.admission.budget import HandoffGate
@@ -253,12 +254,14 @@ async def admit(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
 
 def upstream_params(body: ChatCompletionRequest, upstream: Upstream, max_tokens: int) -> dict[str, Any]:
     """The client's own fields for the upstream (the gateway's extensions left out), with the
-    text of messages and tools neutralized as on the token path: control-token strings a client
-    typed reach the upstream as text, never as turns of its template."""
+    text of messages and tools neutralized as on the token path (control-token strings a client
+    typed reach the upstream as text, never as turns of its template) and the messages in shapes
+    the upstream's parser accepts (adapters.message_shapes)."""
     params = body.model_dump(exclude_unset=True, by_alias=True, exclude=GATEWAY_FIELDS)
     if body.max_completion_tokens is None:
         params["max_tokens"] = max_tokens
-    params["messages"] = [_neutral_message(m, upstream.neutral) for m in params["messages"]]
+    params["messages"] = for_upstream([_neutral_message(m, upstream.neutral) for m in params["messages"]],
+                                      upstream.settings.kind)
     for name in ("tools", "functions"):
         if name in params:
             params[name] = _neutral_values(params[name], upstream.neutral)

@@ -12,10 +12,13 @@ from fastapi.openapi.utils import get_openapi
 
 from gateway import observability
 from gateway.api.chat_completions import router as chat_router
+from gateway.api.completions import router as completions_router
 from gateway.api.errors import install_error_handlers
 from gateway.api.playground import router as playground_router
+from gateway.api.responses_api import router as responses_router
 from gateway.api.routes import router
-from gateway.api.schemas import ChatCompletionRequest
+from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.responses.request import ResponsesRequest
 from gateway.runtime import Runtime
 from gateway.settings import Settings
 
@@ -41,29 +44,36 @@ def create_app(settings: Settings, start_runtime: RuntimeFactory = Runtime.start
                   openapi_url="/openapi.json" if settings.server.docs else None)
     install_error_handlers(app)
     app.include_router(chat_router)
+    app.include_router(responses_router)
+    app.include_router(completions_router)
     app.include_router(router)
     app.include_router(playground_router)
     observability.install(app, observability.Metrics(), settings.server.public_metrics)  # a registry per app
     app.add_middleware(RequestIdMiddleware)  # outermost: the id is set for every log line below it
-    app.openapi = lambda: app.openapi_schema or _openapi_with_chat_body(app)
+    app.openapi = lambda: app.openapi_schema or _openapi_with_request_bodies(app)
     return app
 
 
-def _openapi_with_chat_body(app: FastAPI) -> dict:
-    """FastAPI's description plus the chat request body, which the route parses itself (to enforce
-    the body-size limit and answer in OpenAI's error shape) and so does not declare."""
+PARSED_BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/responses": ResponsesRequest,
+                 "/v1/completions": CompletionRequest}
+
+
+def _openapi_with_request_bodies(app: FastAPI) -> dict:
+    """FastAPI's description plus the request bodies that the routes parse themselves (to enforce
+    the body-size limit and answer in OpenAI's error shape) and so do not declare."""
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    body = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    components.update(body.pop("$defs", {}))
     runtime = getattr(app.state, "runtime", None)
-    if runtime is not None:  # the served model names: clients and fuzzers see which `model` values exist
-        body["properties"]["model"]["enum"] = sorted(runtime.aliases)
-    components["ChatCompletionRequest"] = body
-    schema["paths"]["/v1/chat/completions"]["post"]["requestBody"] = {
-        "required": True,
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}},
-    }
+    for path, model in PARSED_BODIES.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        if runtime is not None:  # the served model names: clients and fuzzers see which `model` values exist
+            body["properties"]["model"]["enum"] = sorted(runtime.aliases)
+        components[model.__name__] = body
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
     app.openapi_schema = schema
     return schema
 

@@ -6,19 +6,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from gateway import observability
 from gateway.admission.chat import Admitted, admit
 from gateway.admission.passthrough import Passing
+from gateway.api.chat_bodies import chunk, completion_body, routing_header, usage_chunk
 from gateway.api.errors import ClientClosedRequest, GatewayError, InvalidRequest, param_of, quoted, sse_error_event
 from gateway.api.request_body import parse_json_body
-from gateway.api.responses import chunk, completion_body, routing_header, usage_chunk
 from gateway.api.routes import authenticate, runtime_of
 from gateway.api.schemas import ChatCompletionRequest
 from gateway.decoding.decoder import Piece
@@ -26,16 +28,19 @@ from gateway.runtime import Runtime
 
 log = logging.getLogger("gateway.api.chat_completions")
 router = APIRouter()
+B = TypeVar("B", bound=BaseModel)
 
 
-async def parse_chat_request(request: Request) -> ChatCompletionRequest:
+async def parse_body(request: Request, model: type[B]) -> B:
+    """The request's JSON body as `model`, within the server's size and depth limits; a 400 that
+    names the field otherwise."""
     server = runtime_of(request).settings.server
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and int(declared) > server.max_body_bytes:
         raise InvalidRequest(f"request body exceeds {server.max_body_bytes} bytes")
     data = parse_json_body(await request.body(), server.max_body_bytes, server.max_body_depth)
     try:
-        return ChatCompletionRequest.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         error = exc.errors()[0]
         message = error["msg"]
@@ -44,58 +49,82 @@ async def parse_chat_request(request: Request) -> ChatCompletionRequest:
         raise InvalidRequest(message, param=param_of(tuple(error["loc"]), error["type"] == "extra_forbidden")) from exc
 
 
+Started = Admitted | Passing  # a request on the token-level path, or passed through whole
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     runtime = runtime_of(request)
     tenant = authenticate(request)
-    body = await parse_chat_request(request)
+    body = await parse_body(request, ChatCompletionRequest)
     observability.note_model(body.model)
-    admitted = await admit(runtime, tenant, body)
-    if isinstance(admitted, Passing):
-        return await _pass_through(request, runtime, admitted)
+    started = await admit(runtime, tenant, body)
     if body.stream:
-        # On SIGTERM, sse-starlette would cut streams at once; the grace period lets them finish.
-        # The background task frees the slot even when the client left before the stream started.
-        return EventSourceResponse(_stream(runtime, admitted), sep="\n", ping=15,
+        chunks = await open_chunks(runtime, started)
+        return EventSourceResponse(sse_stream(runtime, started, chunks),
+                                   sep="\n", ping=15, headers=summary_headers(started),
+                                   # On SIGTERM, sse-starlette would cut streams at once; the grace period
+                                   # lets them finish. The background task frees the slot even when the
+                                   # client left before the stream started.
                                    shutdown_grace_period=runtime.settings.server.drain_seconds,
-                                   background=BackgroundTask(admitted.release, runtime))
+                                   background=BackgroundTask(started.release, runtime))
+    answer = await whole_answer(request, runtime, started)
+    return JSONResponse(answer, headers=summary_headers(started))
+
+
+async def whole_answer(request: Request, runtime: Runtime, started: Started) -> dict:
+    """The chat.completion body of a started request; frees its slot however it ends, and stops
+    decoding and upstream spending if the client leaves first."""
     try:
-        pieces = await _unless_client_leaves(request, _collect(admitted))
+        if isinstance(started, Passing):
+            return await unless_client_leaves(request, started.complete())
+        pieces = await unless_client_leaves(request, collect(started))
+        return completion_body(started, pieces)
     finally:
-        await asyncio.shield(admitted.release(runtime))
-    return JSONResponse(completion_body(admitted, pieces), headers={"x-routing-summary": routing_header(admitted)})
+        await asyncio.shield(finish(runtime, started))
 
 
-async def _pass_through(request: Request, runtime: Runtime, passing: Passing):
-    """A request the local model cannot serve, answered whole by the upstream."""
-    headers = {"x-routing-summary": passing.header()}
-    if passing.body.stream:
-        try:
-            chunks = await passing.open_stream()
-        except BaseException:
-            await asyncio.shield(passing.release(runtime))
-            raise
-        return EventSourceResponse(_passed_events(runtime, passing, chunks), sep="\n", ping=15, headers=headers,
-                                   shutdown_grace_period=runtime.settings.server.drain_seconds,
-                                   background=BackgroundTask(passing.release, runtime))
+async def open_chunks(runtime: Runtime, started: Started) -> AsyncIterator[dict]:
+    """A started request's answer as chat.completion.chunk bodies (the usage chunk when the request
+    asked for it). A pass-through's upstream call starts here, so its refusal is still an HTTP
+    error; the caller runs `finish` once the chunks end."""
+    if isinstance(started, Admitted):
+        return _decoded_chunks(started)
     try:
-        body = await _unless_client_leaves(request, passing.complete())
-    finally:
-        await asyncio.shield(passing.release(runtime))
-        observability.count_passthrough(passing)
-    return JSONResponse(body, headers=headers)
+        return await started.open_stream()
+    except BaseException:
+        await asyncio.shield(started.release(runtime))
+        raise
 
 
-def _passed_events(runtime: Runtime, passing: Passing, chunks):
-    async def done() -> None:
-        await passing.release(runtime)
-        observability.count_passthrough(passing)
-
-    events = (_event(body) async for body in chunks)
-    return _framed(events, passing.id, "the upstream's stream failed; the gateway logged the details", done)
+async def finish(runtime: Runtime, started: Started) -> None:
+    """Free the request's parallel slot (once) and count a pass-through; run once per request."""
+    await started.release(runtime)
+    if isinstance(started, Passing):
+        observability.count_passthrough(started)
 
 
-async def _collect(admitted: Admitted) -> list[list[Piece]]:
+def summary_headers(started: Started) -> dict[str, str]:
+    """The `x-routing-summary` header (a token-level stream's summary is known only at its end)."""
+    if isinstance(started, Passing):
+        return {"x-routing-summary": started.header()}
+    if started.body.stream:
+        return {}
+    return {"x-routing-summary": routing_header(started)}
+
+
+def sse_stream(runtime: Runtime, started: Started, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """The SSE events of a started request's chunks (see `framed`); `finish` runs at the end."""
+    return framed(chunks, started.id, _failure(started), lambda: finish(runtime, started))
+
+
+def _failure(started: Started) -> str:
+    if isinstance(started, Passing):
+        return "the upstream's stream failed; the gateway logged the details"
+    return "internal error while decoding; the gateway logged the details"
+
+
+async def collect(admitted: Admitted) -> list[list[Piece]]:
     """Each choice's pieces."""
     pieces: list[list[Piece]] = [[] for _ in admitted.decodings]
     async for index, piece in observability.metered(admitted):
@@ -103,7 +132,7 @@ async def _collect(admitted: Admitted) -> list[list[Piece]]:
     return pieces
 
 
-async def _unless_client_leaves(request: Request, work):
+async def unless_client_leaves(request: Request, work):
     """Await `work`, but cancel it (no more decoding or upstream spending) if the client disconnects."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
@@ -124,37 +153,32 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _stream(runtime: Runtime, admitted: Admitted):
-    return _framed(_decoded_events(admitted), admitted.id,
-                   "internal error while decoding; the gateway logged the details", lambda: admitted.release(runtime))
-
-
-async def _decoded_events(admitted: Admitted):
+async def _decoded_chunks(admitted: Admitted) -> AsyncIterator[dict]:
     """Per choice the role, one delta per piece (finish_reason on the last), then usage."""
     for index in range(len(admitted.decodings)):
-        yield _event(chunk(admitted, {"role": "assistant", "content": ""}, index=index))
+        yield chunk(admitted, {"role": "assistant", "content": ""}, index=index)
     last: dict[int, Piece] = {}  # each choice's newest piece, held back to carry finish_reason
     async for index, piece in observability.metered(admitted):
         if not piece.text:
             continue  # nothing showable yet (a split character or a possible stop string)
         if index in last:
-            yield _event(chunk(admitted, {"content": last[index].text}, piece=last[index], index=index))
+            yield chunk(admitted, {"content": last[index].text}, piece=last[index], index=index)
         last[index] = piece
     for index, decoding in enumerate(admitted.decodings):
         held = last.get(index)
         delta = {"content": held.text} if held else {}
-        yield _event(chunk(admitted, delta, finish_reason=decoding.finish_reason, piece=held, index=index))
+        yield chunk(admitted, delta, finish_reason=decoding.finish_reason, piece=held, index=index)
     options = admitted.body.stream_options
     if options is not None and options.include_usage:
-        yield _event(usage_chunk(admitted))
+        yield usage_chunk(admitted)
 
 
-async def _framed(events, request_id: str, failure: str, done):
-    """SSE framing for both paths: the events, then [DONE]. An error after the stream started is
+async def framed(chunks: AsyncIterator[dict], request_id: str, failure: str, done):
+    """SSE framing for both paths: the chunks, then [DONE]. An error after the stream started is
     one error event (never a crash); `done()` runs however the stream ends."""
     try:
-        async for event in events:
-            yield event
+        async for body in chunks:
+            yield _event(body)
         yield {"data": "[DONE]"}
     except GatewayError as error:
         yield sse_error_event(error)
@@ -162,9 +186,9 @@ async def _framed(events, request_id: str, failure: str, done):
         log.exception("error while streaming %s", request_id)
         yield sse_error_event(GatewayError(failure))
     finally:
-        # A client that left closes this generator: close the events too (their own clean-up
+        # A client that left closes this generator: close the chunks too (their own clean-up
         # runs now, not at garbage collection); the shield lets the slot's release finish.
-        await asyncio.shield(events.aclose())
+        await asyncio.shield(chunks.aclose())
         await asyncio.shield(done())
 
 

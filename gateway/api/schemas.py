@@ -137,10 +137,41 @@ class ResponseFormat(Open):
 
 
 TOKEN_ID = re.compile(r"[0-9]{1,9}")
-NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "stream", "logprobs", "frequency_penalty", "presence_penalty")
+NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "stream", "logprobs", "frequency_penalty", "presence_penalty",
+                      "echo", "max_tokens")
 
 
-class ChatCompletionRequest(Wire):
+class SamplingRequest(Wire):
+    """What chat and legacy completions requests share: null means the documented default (OpenAI's
+    schema lets clients send null for these), at most 4 stop strings, logit_bias by token id."""
+
+    @model_validator(mode="after")
+    def _null_means_default(self) -> "SamplingRequest":
+        for name in NULL_MEANS_DEFAULT:
+            if name in type(self).model_fields and getattr(self, name) is None:
+                setattr(self, name, type(self).model_fields[name].default)
+        return self
+
+    @field_validator("stop", check_fields=False)
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
+        stops = [value] if isinstance(value, str) else value
+        if stops is not None and len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stops
+
+    @field_validator("logit_bias", check_fields=False)
+    @classmethod
+    def _bias_by_token_id(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not TOKEN_ID.fullmatch(key):  # ASCII digits: str.isdigit also passes "²", which int() refuses
+                raise ValueError(f"logit_bias keys are token ids, not {quoted(key)!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values are between -100 and 100, not {bias}")
+        return value
+
+
+class ChatCompletionRequest(SamplingRequest):
     model: str
     messages: list[Message] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -186,37 +217,11 @@ class ChatCompletionRequest(Wire):
     continue_final_message: bool = False
     add_generation_prompt: bool = True
 
-    @model_validator(mode="after")
-    def _null_means_default(self) -> "ChatCompletionRequest":
-        # OpenAI's schema lets clients send null for these; null means the documented default.
-        for name in NULL_MEANS_DEFAULT:
-            if getattr(self, name) is None:
-                setattr(self, name, type(self).model_fields[name].default)
-        return self
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
-        stops = [value] if isinstance(value, str) else value
-        if stops is not None and len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return stops
-
     @field_validator("metadata")
     @classmethod
     def _metadata_as_openai_limits_it(cls, value: dict[str, str] | None) -> dict[str, str] | None:
         if value is not None and (len(value) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in value.items())):
             raise ValueError("metadata holds at most 16 pairs, keys of at most 64 characters, values of at most 512")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias_by_token_id(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (value or {}).items():
-            if not TOKEN_ID.fullmatch(key):  # ASCII digits: str.isdigit also passes "²", which int() refuses
-                raise ValueError(f"logit_bias keys are token ids, not {quoted(key)!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias values are between -100 and 100, not {bias}")
         return value
 
     def check(self) -> None:
@@ -235,3 +240,65 @@ class ChatCompletionRequest(Wire):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def token_logprobs(self) -> tuple[bool, int]:
+        """Whether each answer token's logprob is returned, and how many alternatives with it."""
+        return bool(self.logprobs), self.top_logprobs or 0
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions (legacy text completions): raw prompts, continued as plain text."""
+
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="Text, texts, or token ids in the local model's vocabulary (one list per prompt).")
+    max_tokens: int | None = Field(16, ge=0)
+    temperature: float | None = Field(1.0, ge=0, le=2)
+    top_p: float | None = Field(1.0, ge=0, le=1)
+    n: int | None = Field(1, ge=1, le=8)
+    best_of: int | None = Field(None, ge=1, le=8)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = False
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    suffix: str | None = None
+    user: str | None = None
+    routing: RoutingOverride | None = None
+
+    def check(self, max_tokens_limit: int, max_sequences: int = 8) -> None:
+        """Refuse what the schema alone cannot, naming the field (nothing passes through to an
+        upstream here, so the local model's limits are the limits)."""
+        if self.suffix:
+            raise InvalidRequest("suffix (insertion) is not served here", param="suffix")
+        if self.best_of not in (None, self.n):
+            raise InvalidRequest("best_of other than n is not served here", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest("echo with logprobs (the prompt's own logprobs) is not served here", param="echo")
+        if not self.prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if len(self.prompts_raw) * self.n > max_sequences:
+            raise InvalidRequest(f"prompts times n may be at most {max_sequences}", param="prompt")
+        if self.max_tokens == 0:
+            raise InvalidRequest("max_tokens of 0 (scoring a prompt) is not served here", param="max_tokens")
+        if self.max_tokens > max_tokens_limit:
+            raise InvalidRequest(f"max_tokens is at most {max_tokens_limit} here", param="max_tokens")
+
+    @property
+    def prompts_raw(self) -> list[str | list[int]]:
+        """One entry per prompt: its text or its token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def token_logprobs(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0

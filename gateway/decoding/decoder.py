@@ -70,7 +70,7 @@ class Piece:
 
 @dataclass(frozen=True)
 class DecodeRequest:
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]]  # the chat to answer (unless `prompt` is set)
     max_tokens: int
     policy: Policy
     sampling: Sampling = Sampling()
@@ -84,6 +84,7 @@ class DecodeRequest:
     guess_ahead: int = GUESS_LIMIT  # 0: wait idle during hand-offs
     rules: LogitRules = LogitRules()
     grammar: str | None = None  # GBNF the answer must follow
+    prompt: str | None = None  # raw text to continue instead of `messages` (legacy completions), as plain text
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,10 @@ class Decoding:
     def __init__(self, local: LocalModel, upstream: Continuations | None, gate: HandoffGate,
                  request: DecodeRequest) -> None:
         self.local, self.upstream, self.gate, self.request = local, upstream, gate, request
-        prompt = local.template.render_parts(request.messages, request.continue_final)
+        if request.prompt is None:
+            prompt = local.template.render_parts(request.messages, request.continue_final)
+        else:
+            prompt = [(request.prompt, True)]
         self.prompt_tokens: list[int] = local.tokenize_prompt(prompt)
         self.limit = min(request.max_tokens, local.n_ctx - len(self.prompt_tokens))  # answer tokens
         self.answer_tokens: list[int] = []
@@ -140,11 +144,21 @@ class Decoding:
         self.finish_reason: str | None = None
         # OpenAI's seed is any 64-bit integer; numpy's seeds are non-negative
         self._rng = np.random.default_rng(None if request.seed is None else request.seed % 2**64)
-        self._upstream_closed = upstream is None
-        self._handoff = upstream.handoff(request.messages, request.continue_final, gate.cache_scope) if upstream else None
+        self._handoff = self._first_handoff(upstream, request, gate.cache_scope)
+        self._upstream_closed = self._handoff is None
         self._warming: asyncio.Future | None = None  # the warm-up call, until the first hand-off waits for it
         self._kind_of = self._token_kind if request.policy.detailed_signal else None
         self._grammar: Grammar | None = local.grammar(request.grammar) if request.grammar else None
+
+    @staticmethod
+    def _first_handoff(upstream: Continuations | None, request: DecodeRequest, scope: str) -> Handoff | None:
+        """The request's hand-off of an empty answer; None without an upstream, or for raw text
+        when the upstream continues chats only."""
+        if upstream is None:
+            return None
+        if request.prompt is not None:
+            return upstream.text_handoff(request.prompt, scope)
+        return upstream.handoff(request.messages, request.continue_final, scope)
 
     def source_counts(self) -> dict[str, int]:
         return {name: self.sources.count(name) for name in (LOCAL, UPSTREAM, CACHE)}
@@ -157,6 +171,8 @@ class Decoding:
         if self.upstream is not None and not self.gate.allowed:  # settled at admission
             self._upstream_closed = True
             self.usage.degrade(self.gate.refusal)
+        elif self.upstream is not None and self._handoff is None and self.request.policy.routes:
+            self.usage.degrade("upstream_continues_chats_only")  # raw text, and a chat-mode upstream
         if self._may_route() and self.upstream.warms and self.request.policy.wants_warm_up:
             self._warming = asyncio.ensure_future(self._call_upstream(self._handoff, 0))
         try:

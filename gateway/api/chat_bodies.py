@@ -9,11 +9,11 @@ from gateway.decoding.decoder import Piece, TokenLogprob
 
 
 def usage_of(admitted: Admitted) -> dict[str, Any]:
-    """Usage of all choices together (the prompt counted once, as OpenAI does)."""
+    """Usage of all choices together (each prompt counted once, as OpenAI does)."""
     decodings = admitted.decodings
     counts = {source: sum(d.source_counts()[source] for d in decodings) for source in ("local", "upstream", "cache")}
     usages = [d.usage for d in decodings]
-    prompt = len(decodings[0].prompt_tokens)
+    prompt = sum(len(d.prompt_tokens) for d in decodings[::admitted.body.n])  # each prompt once (n choices each)
     completion = sum(len(d.answer_tokens) for d in decodings)
     return {
         "prompt_tokens": prompt,

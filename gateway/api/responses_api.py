@@ -1,0 +1,106 @@
+"""POST /v1/responses (and GET, DELETE of stored ones): OpenAI's Responses API, answered through
+the chat completions path (same aliases, tenants, budgets, routing and pass-through)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
+
+from gateway import observability
+from gateway.admission.chat import admit
+from gateway.admission.tenants import Tenant
+from gateway.api.chat_completions import Started, finish, open_chunks, parse_body, summary_headers, whole_answer
+from gateway.api.errors import GatewayError
+from gateway.api.routes import authenticate, runtime_of
+from gateway.responses.events import ResponseEvents
+from gateway.responses.output import ResponseDraft, conversation_messages, response_of
+from gateway.responses.request import ResponsesRequest, chat_request, input_messages
+from gateway.responses.stored import StoredResponses
+from gateway.runtime import Runtime
+
+log = logging.getLogger("gateway.api.responses")
+router = APIRouter()
+
+
+def stored_responses(runtime: Runtime) -> StoredResponses:
+    return StoredResponses(runtime.ledger.store, runtime.settings.store.responses_ttl_s)
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request):
+    runtime = runtime_of(request)
+    tenant = authenticate(request)
+    body = await parse_body(request, ResponsesRequest)
+    observability.note_model(body.model)
+    turns = []
+    if body.previous_response_id:
+        previous = await stored_responses(runtime).get(tenant.id, body.previous_response_id, "previous_response_id")
+        turns = previous["conversation"]
+    turns = turns + input_messages(body.input)
+    started = await admit(runtime, tenant, chat_request(body, turns))
+    draft = ResponseDraft(body)
+    if body.stream:
+        chunks = await open_chunks(runtime, started)
+        return EventSourceResponse(_events(runtime, tenant, started, chunks, draft, turns), sep="\n", ping=15,
+                                   headers=summary_headers(started),
+                                   shutdown_grace_period=runtime.settings.server.drain_seconds,
+                                   background=BackgroundTask(started.release, runtime))
+    response = response_of(draft, await whole_answer(request, runtime, started))
+    await _keep(runtime, tenant, response, turns)
+    return JSONResponse(response, headers=summary_headers(started))
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    tenant = authenticate(request)
+    return (await stored_responses(runtime_of(request)).get(tenant.id, response_id))["response"]
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    tenant = authenticate(request)
+    await stored_responses(runtime_of(request)).delete(tenant.id, response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+async def _keep(runtime: Runtime, tenant: Tenant, response: dict[str, Any], turns: list[dict[str, Any]]) -> None:
+    if response["store"]:
+        await stored_responses(runtime).put(tenant.id, response, turns + conversation_messages(response["output"]))
+
+
+async def _events(runtime: Runtime, tenant: Tenant, started: Started, chunks: AsyncIterator[dict],
+                  draft: ResponseDraft, turns: list[dict[str, Any]]):
+    """The Responses event stream of a started request's chunks; an error after the stream started
+    is one `error` event. The response is stored before response.completed goes out, so a client
+    may continue the conversation as soon as it sees it."""
+    events = ResponseEvents(draft)
+    try:
+        for event in events.start():
+            yield _sse(event)
+        async for chunk in chunks:
+            for event in events.feed(chunk):
+                yield _sse(event)
+        finishing = events.finish()
+        await _keep(runtime, tenant, events.final, turns)
+        for event in finishing:
+            yield _sse(event)
+    except GatewayError as error:
+        yield _sse(events.error(error.body()))
+    except Exception:  # noqa: BLE001 - the stream has started: report, don't crash
+        log.exception("error while streaming %s", draft.id)
+        yield _sse(events.error(GatewayError("internal error while answering; the gateway logged the details").body()))
+    finally:
+        await asyncio.shield(chunks.aclose())  # a client that left: stop decoding and upstream spending now
+        await asyncio.shield(finish(runtime, started))
+
+
+def _sse(event: dict[str, Any]) -> dict[str, str]:
+    return {"event": event["type"], "data": json.dumps(event, ensure_ascii=False)}

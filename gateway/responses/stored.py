@@ -1,0 +1,60 @@
+"""Stored responses (`store: true`): each tenant's Responses with the conversation they close, in
+the gateway's store (Redis across replicas) for `store.responses_ttl_s`. A tenant reads only its own."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from adapters.store import Store, StoreUnavailable
+from gateway.api.errors import GatewayError, quoted
+
+log = logging.getLogger("gateway.responses")
+
+
+class ResponseNotFound(GatewayError):
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class StoreDown(GatewayError):
+    status, type, code = 503, "server_error", "store_unavailable"
+
+
+@dataclass(frozen=True)
+class StoredResponses:
+    store: Store
+    ttl_s: float
+
+    async def put(self, tenant: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
+        """Keep `response` and its conversation (chat messages, instructions excluded); False, and
+        the answer still goes out, when the store is down."""
+        value = json.dumps({"response": response, "conversation": conversation}, ensure_ascii=False)
+        try:
+            await self.store.response_put(tenant, response["id"], value, self.ttl_s)
+        except StoreUnavailable as exc:
+            log.warning("response %s not stored: %s", response["id"], exc)
+            return False
+        return True
+
+    async def get(self, tenant: str, response_id: str, param: str | None = None) -> dict[str, Any]:
+        """{"response": ..., "conversation": [...]}; 404 when the tenant has no such response."""
+        try:
+            value = await self.store.response_get(tenant, response_id)
+        except StoreUnavailable as exc:
+            raise StoreDown("stored responses are unreachable; retry shortly") from exc
+        if value is None:
+            error = ResponseNotFound(f"No response found with id '{quoted(response_id)}'.", param=param)
+            if param == "previous_response_id":
+                error.code = "previous_response_not_found"
+            raise error
+        return json.loads(value)
+
+    async def delete(self, tenant: str, response_id: str) -> None:
+        try:
+            deleted = await self.store.response_delete(tenant, response_id)
+        except StoreUnavailable as exc:
+            raise StoreDown("stored responses are unreachable; retry shortly") from exc
+        if not deleted:
+            raise ResponseNotFound(f"No response found with id '{quoted(response_id)}'.")

@@ -1,0 +1,127 @@
+"""The Responses API's translation to and from chat completions (unit: no model, no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.api.errors import InvalidRequest
+from gateway.responses.events import ResponseEvents
+from gateway.responses.output import ResponseDraft, conversation_messages, response_of
+from gateway.responses.request import ResponsesRequest, chat_request, input_messages
+
+CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def request(**fields) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "routed", "input": "Hi", **fields})
+
+
+def test_a_string_is_one_user_message_after_the_instructions():
+    body = request(instructions="Be brief.", max_output_tokens=20, temperature=0)
+    chat = chat_request(body, input_messages(body.input))
+    assert [(m.role, m.text()) for m in chat.messages] == [("system", "Be brief."), ("user", "Hi")]
+    assert (chat.max_completion_tokens, chat.temperature, chat.stream) == (20, 0, False)
+
+
+def test_items_become_chat_messages_and_calls_join_the_assistant_turn():
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris and Rome?"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        CALL, {**CALL, "call_id": "call_2", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "25 C"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+    ]
+    messages = input_messages(items)
+    assert messages[0] == {"role": "user", "content": [{"type": "text", "text": "Weather in Paris and Rome?"}]}
+    assert messages[1]["content"] == [{"type": "text", "text": "Checking."}]
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["call_1", "call_2"]
+    assert messages[2:] == [{"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+                            {"role": "tool", "tool_call_id": "call_2", "content": "25 C"}]
+    assert len(messages) == 4
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]},
+     "input[0].content[0].image_url"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
+])
+def test_what_chat_completions_cannot_express_is_a_400_naming_the_field(fields, param):
+    body = request(**fields)
+    with pytest.raises(InvalidRequest) as caught:
+        chat_request(body, input_messages(body.input))
+    assert caught.value.param == param
+
+
+def test_function_tools_structured_output_and_logprobs_map_onto_chat_fields():
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": True}
+    body = request(tools=[tool], tool_choice={"type": "function", "name": "get_weather"},
+                   text={"format": {"type": "json_schema", "name": "city", "schema": {"type": "object"}}},
+                   include=["message.output_text.logprobs"], top_logprobs=2, stream=True)
+    chat = chat_request(body, input_messages(body.input))
+    assert chat.tools == [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"},
+                                                            "strict": True}}]
+    assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat.response_format.json_schema.schema_ == {"type": "object"}
+    assert (chat.logprobs, chat.top_logprobs, chat.stream_options.include_usage) == (True, 2, True)
+
+
+def chat_body(message: dict, finish_reason: str = "stop") -> dict:
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10, "routing": {"mode": "token_level"}}
+    return {"choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage}
+
+
+def test_a_chat_answer_becomes_a_response_with_routing_usage():
+    response = response_of(ResponseDraft(request()), chat_body({"role": "assistant", "content": "Hello"}))
+    assert response["object"] == "response" and response["status"] == "completed"
+    [item] = response["output"]
+    assert item["type"] == "message" and item["content"][0]["text"] == "Hello"
+    assert response["usage"]["input_tokens"] == 7 and response["usage"]["output_tokens"] == 3
+    assert response["usage"]["routing"] == {"mode": "token_level"}
+
+
+def test_a_cut_answer_is_incomplete_and_a_tool_call_is_a_function_call_item():
+    cut = response_of(ResponseDraft(request()), chat_body({"content": "Hel"}, "length"))
+    assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    called = response_of(ResponseDraft(request()), chat_body({"content": None, "tool_calls": [call]}, "tool_calls"))
+    assert [i["type"] for i in called["output"]] == ["function_call"]
+    assert conversation_messages(called["output"]) == [{"role": "assistant", "content": None, "tool_calls": [call]}]
+
+
+def test_streamed_chunks_become_the_responses_event_sequence():
+    events = ResponseEvents(ResponseDraft(request()))
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "Hel"}}], "routing": {"source": "local"}},
+        {"choices": [{"index": 0, "delta": {"content": "lo"}}], "routing": {"source": "upstream"}},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": "call_1", "function": {"name": "f", "arguments": ""}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]},
+                      "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": chat_body({})["usage"]},
+    ]
+    sequence = events.start() + [e for c in chunks for e in events.feed(c)] + events.finish()
+    assert [e["type"] for e in sequence] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in sequence] == list(range(len(sequence)))
+    deltas = [e for e in sequence if e["type"] == "response.output_text.delta"]
+    assert [d["routing"]["source"] for d in deltas] == ["local", "upstream"]
+    final = sequence[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == "Hello"
+    assert final["output"][1]["arguments"] == "{}" and final["output"][1]["call_id"] == "call_1"
+    assert final["usage"]["routing"] == {"mode": "token_level"}
+    assert sequence[9]["item"]["arguments"] == ""  # the added item as it was then, not as it ended
