@@ -61,6 +61,7 @@ def fuzz_gateway_config(upstream_base: str) -> dict:
     pass through to a llama-server upstream what the local model cannot serve."""
     aliases = {name: {"local": "smol", "upstream": "up", "routing": {"policy": "never"}} for name in ALIASES}
     config = gateway_config(upstream_base, mode="tokens", aliases=aliases)
+    config["upstreams"]["up"]["kind"] = "llama-server"  # its parser's needs (adapters/message_shapes.py)
     # short answers: the gateway's own schema allows max_tokens up to the limit, and none means the default
     config["server"].update(default_max_tokens=8, max_tokens_limit=16, docs=True)  # docs: its /openapi.json
     return config

@@ -23,6 +23,14 @@ def test_a_string_is_one_user_message_after_the_instructions():
     assert (chat.max_completion_tokens, chat.temperature, chat.stream) == (20, 0, False)
 
 
+def test_input_is_optional_after_instructions_or_a_stored_conversation():
+    body = request(input=None, instructions="Greet the user.")
+    assert [m.role for m in chat_request(body, input_messages(body.input)).messages] == ["system"]
+    body = request(input=None)
+    stored = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert [m.role for m in chat_request(body, stored + input_messages(body.input)).messages] == ["user", "assistant"]
+
+
 def test_items_become_chat_messages_and_calls_join_the_assistant_turn():
     items = [
         {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris and Rome?"}]},
@@ -52,6 +60,7 @@ def test_items_become_chat_messages_and_calls_join_the_assistant_turn():
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"background": True}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
+    ({"input": None}, "input"),  # no input, no instructions, no conversation: nothing to answer
 ])
 def test_what_chat_completions_cannot_express_is_a_400_naming_the_field(fields, param):
     body = request(**fields)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from gateway.api.errors import InvalidRequest, param_of, quoted
 from gateway.api.schemas import ChatCompletionRequest, Open, Wire
@@ -42,8 +42,8 @@ class ResponsesRequest(Wire):
     the request passes through to the upstream, as chat completions does."""
 
     model: str
-    input: str | list[dict[str, Any]] = Field(..., description="Text, or input items (messages, function calls "
-                                              "and their outputs).")
+    input: str | list[dict[str, Any]] | None = Field(None, description="Text, or input items (messages, function "
+                                                     "calls and their outputs).")
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
@@ -82,13 +82,6 @@ class ResponsesRequest(Wire):
         self.stream = bool(self.stream)
         return self
 
-    @field_validator("input")
-    @classmethod
-    def _some_input(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-        if isinstance(value, list) and not value:
-            raise ValueError("input needs at least one item")
-        return value
-
     def check(self) -> None:
         """Refuse what the gateway does not serve, naming the field."""
         for name, what in (("conversation", "the Conversations API is not served here: pass previous_response_id"),
@@ -108,6 +101,8 @@ def chat_request(body: ResponsesRequest, turns: list[dict[str, Any]]) -> ChatCom
     come first and are not part of the conversation. Raises InvalidRequest naming the field."""
     body.check()
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + turns
+    if not messages:
+        raise InvalidRequest("nothing to answer: give input, instructions or previous_response_id", param="input")
     chat: dict[str, Any] = {
         "model": body.model, "messages": messages, "stream": body.stream,
         "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
@@ -133,9 +128,11 @@ def chat_request(body: ResponsesRequest, turns: list[dict[str, Any]]) -> ChatCom
         raise InvalidRequest(f"{error['msg']} (in the chat request this becomes: {location})", param=param) from exc
 
 
-def input_messages(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_messages(input_: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """Chat messages of Responses input: a string is one user message; items map one for one,
     except that consecutive function calls join the assistant message before them."""
+    if input_ is None:
+        return []
     if isinstance(input_, str):
         return [{"role": "user", "content": input_}]
     messages: list[dict[str, Any]] = []
