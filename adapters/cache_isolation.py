@@ -8,7 +8,8 @@ upstream decides, per call, what keeps the guess blind; its `scope` is the tenan
 
 - `TenantSlots` (llama-server): each call is pinned (`id_slot`) to a slot that holds only its
   scope's prompts; a slot last used by another scope is erased first. The server must not keep
-  prompts outside its slots (`--cache-ram 0`) and must allow erasing (`--slot-save-path`).
+  prompts outside its slots (`--cache-ram 0`) and must allow erasing (`--slot-save-path`). Slots
+  are leased through the Store, so replicas sharing one server (and one Redis) keep this too.
 - `CacheSalt` (vLLM): a per-scope `cache_salt`, which vLLM mixes into its prefix-cache hashes.
 - `Hidden` (any other provider, whose cache the gateway cannot partition): cached counts and
   compute times are not reported, and cached tokens are billed at the full price, so no field
@@ -23,9 +24,10 @@ import contextlib
 import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
+from adapters.store import SlotLease, Store, StoreUnavailable
+from adapters.upstream_errors import UpstreamUnavailable
 from adapters.upstream_server import erase_slot, server_root
 
 
@@ -57,53 +59,58 @@ class CacheSalt(Shared):
         yield {"cache_salt": hashlib.sha256(scope.encode("utf-8")).hexdigest()}
 
 
-@dataclass
-class _Slot:
-    id: int
-    scope: str | None = None  # whose prompts it may hold (None: nobody's yet)
-    key: str = ""  # the request that used it last
-    busy: bool = False
-    used_at: float = 0.0
-
-
 class TenantSlots:
-    """llama-server's `count` slots, each leased to one call at a time and holding one scope's prompts."""
+    """llama-server's `count` slots, each held by one call at a time and holding one scope's
+    prompts. They are handed out through the Store (`slot_lease`), so every gateway process that
+    shares it (replicas on one Redis) agrees on which scope each slot holds; with the in-process
+    store they are this process's alone."""
 
     reveals_cache = True
+    POLL_S = 0.05  # how often a call waiting for a slot asks again (another replica may free one)
 
-    def __init__(self, count: int, erase: Callable[[int], Awaitable[None]]) -> None:
-        self._slots = [_Slot(i) for i in range(count)]
-        self._erase = erase
-        self._free = asyncio.Condition()
+    def __init__(self, count: int, erase: Callable[[int], Awaitable[None]], store: Store, server: str,
+                 hold_s: float) -> None:
+        self._count, self._erase, self._store, self._server, self._hold_s = count, erase, store, server, hold_s
+        self._freed = asyncio.Condition()
 
     @classmethod
-    def of_server(cls, api_base: str, count: int, timeout_s: float) -> "TenantSlots":
-        """Slots of the llama-server at `api_base` (its /v1 URL), erased with its slot action."""
+    def of_server(cls, api_base: str, count: int, timeout_s: float, store: Store, hold_s: float) -> "TenantSlots":
+        """Slots of the llama-server at `api_base` (its /v1 URL), erased with its slot action; a
+        call holds one for at most `hold_s` (then it is free again, should its process have died)."""
         root = server_root(api_base)
-        return cls(count, lambda slot: erase_slot(root, slot, timeout_s))
+        server = hashlib.sha256(root.encode("utf-8")).hexdigest()[:16]
+        return cls(count, lambda slot: erase_slot(root, slot, timeout_s), store, server, hold_s)
 
     @contextlib.asynccontextmanager
     async def lease(self, scope: str, key: str) -> AsyncIterator[dict[str, Any]]:
-        async with self._free:
-            await self._free.wait_for(lambda: any(not s.busy for s in self._slots))
-            slot = max((s for s in self._slots if not s.busy), key=lambda s: self._fit(s, scope, key))
-            slot.busy = True
+        held = await self._hold(scope, key)
+        erased = not held.erase
         try:
-            if slot.scope != scope:
-                if slot.scope is not None:
-                    await self._erase(slot.id)
-                slot.scope = scope
-            slot.key, slot.used_at = key, time.monotonic()
-            yield {"id_slot": slot.id}
+            if held.erase:
+                await self._erase(held.slot)
+                erased = True
+            yield {"id_slot": held.slot}
         finally:
-            async with self._free:
-                slot.busy = False
-                self._free.notify()
+            await asyncio.shield(self._free(held, erased))
 
-    @staticmethod
-    def _fit(slot: _Slot, scope: str, key: str) -> tuple[int, float]:
-        """The request's own slot first, then one of its scope, then an unused one, then the one
-        idle longest (it will be erased)."""
-        if slot.scope == scope:
-            return (3 if slot.key == key else 2), -slot.used_at
-        return (1 if slot.scope is None else 0), -slot.used_at
+    async def _hold(self, scope: str, key: str) -> SlotLease:
+        """A slot for this call, waiting (up to `hold_s`) while every slot is held."""
+        deadline = time.monotonic() + self._hold_s
+        while True:
+            try:
+                held = await self._store.slot_lease(self._server, self._count, scope, key, self._hold_s)
+            except StoreUnavailable as exc:  # no one can say whose prompts a slot holds
+                raise UpstreamUnavailable(f"the upstream's slot leases are unreachable ({exc})") from exc
+            if held is not None:
+                return held
+            if time.monotonic() > deadline:
+                raise UpstreamUnavailable(f"all {self._count} slots of the upstream stayed busy")
+            async with self._freed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._freed.wait(), self.POLL_S)
+
+    async def _free(self, held: SlotLease, erased: bool) -> None:
+        with contextlib.suppress(StoreUnavailable):  # the lease then runs out by itself
+            await self._store.slot_release(self._server, held, erased)
+        async with self._freed:
+            self._freed.notify_all()

@@ -12,6 +12,8 @@ tenant as their hash tag, so one Redis Cluster slot holds them all:
   {p}:{tenant}:resp:{response id}     a stored Responses API response (JSON), for its own TTL
   {p}:{cache:}:entry:{key}            cached upstream continuations, indexed by write time in
   {p}:{cache:}:index                  zset of cache keys; the oldest go past `cache_max_entries`
+  {p}:{slots:<server>}:state          hash: an upstream server's slot -> JSON {scope, key, used,
+                                      held until, lease id} (slot leases, shared by every replica)
 Reservations are taken by a Lua script, so concurrent requests in any number of processes cannot
 together pass a limit; settlement is another script, exactly-once per reservation id.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -37,7 +40,8 @@ from redis.retry import Retry
 from redis.exceptions import RedisError
 
 from adapters.store import (
-    Billed, Headroom, Limits, RateLimits, Reservation, StoreUnavailable, WindowUsage, new_reservation, to_micro, windows_of,
+    Billed, Headroom, Limits, RateLimits, Reservation, SlotLease, StoreUnavailable, WindowUsage, new_reservation,
+    to_micro, windows_of,
 )
 
 # Sums live reservations (dropping expired ones) and checks every window; KEYS: held zset,
@@ -129,6 +133,47 @@ return 1
 UNLIMITED = -1
 # The continuation cache is one bounded set (entries and their index, which its script trims
 # together): one hash tag keeps it in one Cluster slot. Tenant ids cannot contain ":" (settings).
+# Lease the best free slot of one server (store.slot_rank, the same order). KEYS: the server's
+# slots hash (field: slot number, value: JSON state). ARGV: count, scope, key, now, ttl s, lease id.
+# Returns {slot, previous scope} or nil when every slot is held.
+SLOT_LEASE_LUA = """
+local best, best_rank, best_used, before = -1, -1, 0, ''
+local now = tonumber(ARGV[4])
+for i = 0, tonumber(ARGV[1]) - 1 do
+  local raw = redis.call('HGET', KEYS[1], i)
+  local state = raw and cjson.decode(raw) or {}
+  if (state.b or 0) <= now then
+    local rank = 0
+    if state.s == ARGV[2] then
+      rank = (state.k == ARGV[3]) and 3 or 2
+    elseif (state.s or '') == '' then
+      rank = 1
+    end
+    local used = state.u or 0
+    if rank > best_rank or (rank == best_rank and used < best_used) then
+      best, best_rank, best_used, before = i, rank, used, state.s or ''
+    end
+  end
+end
+if best < 0 then return nil end
+local state = {s = ARGV[2], k = ARGV[3], u = now, b = now + tonumber(ARGV[5]), l = ARGV[6]}
+redis.call('HSET', KEYS[1], best, cjson.encode(state))
+redis.call('EXPIRE', KEYS[1], 86400)
+return {best, before}
+"""
+
+# Free a slot if this lease still holds it. KEYS: the slots hash. ARGV: slot, lease id, erased (1/0).
+SLOT_RELEASE_LUA = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local state = cjson.decode(raw)
+if state.l ~= ARGV[2] then return 0 end
+state.b = 0
+if ARGV[3] == '0' then state.s = '?' end
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(state))
+return 1
+"""
+
 CACHE_TAG = "cache:"
 SETTLED_MEMORY_S = 2 * 86_400
 T = TypeVar("T")
@@ -154,6 +199,8 @@ class RedisStore:
         self._admit_script = self._redis.register_script(ADMIT_LUA)
         self._settle_script = self._redis.register_script(SETTLE_LUA)
         self._cache_put_script = self._redis.register_script(CACHE_PUT_LUA)
+        self._slot_lease_script = self._redis.register_script(SLOT_LEASE_LUA)
+        self._slot_release_script = self._redis.register_script(SLOT_RELEASE_LUA)
         self._failures = 0  # consecutive; only touched on the event loop
         self._skip_until = 0.0
 
@@ -277,6 +324,19 @@ class RedisStore:
 
     async def response_delete(self, tenant: str, response_id: str) -> bool:
         return bool(await self._run(lambda: self._redis.delete(self._key(tenant, "resp", response_id))))
+
+    async def slot_lease(self, server: str, count: int, scope: str, key: str, ttl_s: float) -> SlotLease | None:
+        lease = uuid.uuid4().hex
+        keys, args = [self._key(f"slots:{server}", "state")], [count, scope, key, time.time(), ttl_s, lease]
+        held = await self._run(lambda: self._slot_lease_script(keys=keys, args=args))
+        if held is None:
+            return None
+        slot, before = int(held[0]), held[1]
+        return SlotLease(slot, bool(before) and before != scope, lease)
+
+    async def slot_release(self, server: str, lease: SlotLease, erased: bool = True) -> None:
+        keys, args = [self._key(f"slots:{server}", "state")], [lease.slot, lease.lease, int(erased)]
+        await self._run(lambda: self._slot_release_script(keys=keys, args=args))
 
     async def ping(self) -> bool:
         try:

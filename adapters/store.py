@@ -8,6 +8,8 @@ after its time-to-live (at least the store's `reservation_ttl_s`, longer when th
 the worst-case duration of its call), so one left behind by a dead process cannot block a tenant
 for long. Settlement is exactly-once per reservation id: a retried settle (after a reply that was
 lost) bills nothing twice. The continuation cache is bounded in time (TTL) and size (LRU entries).
+Slot leases hand out a llama-server upstream's slots to calls, one scope's prompts per slot, the
+same way in every process that shares the store.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class StoreUnavailable(Exception):
@@ -118,6 +120,26 @@ def to_micro(usd: float, round_up: bool = False) -> int:
     return int(math.ceil(micro)) if round_up else int(round(micro))
 
 
+@dataclass(frozen=True)
+class SlotLease:
+    """One upstream slot held for one call: `erase` when it may still hold another scope's prompts."""
+
+    slot: int
+    erase: bool
+    lease: str  # names this holding, so that only its holder releases it
+
+
+UNKNOWN_SCOPE = "?"  # a slot whose erase failed: whoever takes it next erases it first
+
+
+def slot_rank(state: dict[str, Any], scope: str, key: str) -> tuple[int, float]:
+    """How well a free slot suits a call: the request's own slot, then one of its scope, then an
+    unused one, then any other (to be erased); among equals the one idle longest."""
+    if state.get("s") == scope:
+        return (3 if state.get("k") == key else 2), -state.get("u", 0.0)
+    return (1 if not state.get("s") else 0), -state.get("u", 0.0)
+
+
 def new_reservation(tenant: str, tokens: int, cost_usd: float) -> Reservation:
     return Reservation(tenant, uuid.uuid4().hex, tokens, to_micro(cost_usd, round_up=True))
 
@@ -164,6 +186,14 @@ class Store(Protocol):
     async def response_delete(self, tenant: str, response_id: str) -> bool:
         """Forget `tenant`'s stored response; False if there was none."""
 
+    async def slot_lease(self, server: str, count: int, scope: str, key: str, ttl_s: float) -> SlotLease | None:
+        """Hold the free slot of `server`'s `count` that best suits a call in cache `scope` (see
+        `slot_rank`) for at most `ttl_s`, recording `scope` as its holder; None while all are held.
+        Every gateway process sharing the store hands out the same slots."""
+
+    async def slot_release(self, server: str, lease: SlotLease, erased: bool = True) -> None:
+        """Free a held slot; `erased=False` after a failed erase (its next holder erases it)."""
+
     async def ping(self) -> bool: ...
 
     async def close(self) -> None: ...
@@ -194,6 +224,7 @@ class MemoryStore:
     _cache: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
     _settled: OrderedDict[str, float] = field(default_factory=OrderedDict)  # reservation id -> when to forget it
     _responses: OrderedDict[tuple[str, str], tuple[str, float]] = field(default_factory=OrderedDict)
+    _slots: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)  # server -> slot -> state
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def _window(self, tenant: str, period: str, start: str) -> _Window:
@@ -314,6 +345,23 @@ class MemoryStore:
     async def response_delete(self, tenant: str, response_id: str) -> bool:
         hit = self._responses.pop((tenant, response_id), None)
         return hit is not None and hit[1] > time.time()
+
+    async def slot_lease(self, server: str, count: int, scope: str, key: str, ttl_s: float) -> SlotLease | None:
+        now = time.time()
+        states = self._slots.setdefault(server, {})
+        free = [i for i in range(count) if states.get(i, {}).get("b", 0.0) <= now]
+        if not free:
+            return None
+        slot = max(free, key=lambda i: slot_rank(states.get(i, {}), scope, key))
+        before = states.get(slot, {}).get("s")
+        lease = SlotLease(slot, bool(before) and before != scope, uuid.uuid4().hex)
+        states[slot] = {"s": scope, "k": key, "u": now, "b": now + ttl_s, "l": lease.lease}
+        return lease
+
+    async def slot_release(self, server: str, lease: SlotLease, erased: bool = True) -> None:
+        state = self._slots.get(server, {}).get(lease.slot)
+        if state is not None and state["l"] == lease.lease:
+            state.update(b=0.0, s=state["s"] if erased else UNKNOWN_SCOPE)
 
     async def ping(self) -> bool:
         return True

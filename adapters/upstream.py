@@ -27,11 +27,14 @@ from adapters.chat_template import COMMON_CONTROL, neutralize
 from adapters.continuation_modes import Handoff, mode_for
 from adapters.litellm_client import litellm
 from adapters.pricing import Prices
+from adapters.store import MemoryStore, Store
 from adapters.upstream_errors import CircuitBreaker, UpstreamRejected, UpstreamUnavailable, is_transient
 from adapters.upstream_settings import UpstreamSettings, api_key_of
 from adapters.upstream_usage import CallUsage, read_usage
 from adapters.vocabulary import Vocabulary
 from adapters.whole_requests import WholeRequests
+
+SLOT_MARGIN_S = 10.0  # a slot lease outlives its call's own time-outs by this much
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,10 @@ class Continuations(Protocol):
 class Upstream:
     """A large model that continues partial answers. Safe to share across requests."""
 
-    def __init__(self, name: str, settings: UpstreamSettings, vocab: Vocabulary | None) -> None:
+    def __init__(self, name: str, settings: UpstreamSettings, vocab: Vocabulary | None,
+                 store: Store | None = None) -> None:
+        """`store` leases a llama-server's slots (shared by the processes that share it); without
+        one, this process keeps them in memory."""
         self.name = name
         self.settings = settings
         self._vocab = vocab  # the upstream's own tokenizer and chat template, if known
@@ -89,7 +95,7 @@ class Upstream:
         except ValueError as exc:
             raise ValueError(f"upstream '{name}': {exc}") from exc
         self._breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_cooldown_s)
-        self.isolation = isolation_for(settings)
+        self.isolation = isolation_for(settings, store or MemoryStore())
         # requests passed through whole: the same server, breaker and cache isolation
         self.whole = WholeRequests(name, settings, vocab, self._breaker, self.isolation)
 
@@ -220,10 +226,13 @@ class Upstream:
         )
 
 
-def isolation_for(settings: UpstreamSettings) -> Isolation:
-    """How this upstream keeps tenants apart in its prefix cache (see adapters.cache_isolation)."""
+def isolation_for(settings: UpstreamSettings, store: Store) -> Isolation:
+    """How this upstream keeps tenants apart in its prefix cache (see adapters.cache_isolation);
+    llama-server's slots are leased through `store`."""
     if settings.cache_isolation == "shared":
         return Shared()
     if settings.kind == "llama-server":
-        return TenantSlots.of_server(settings.api_base or "", settings.slots or 1, settings.timeout_s)
+        # a call holds its slot for as long as it may run: a hand-off's retries, or a whole stream
+        hold_s = max(settings.timeout_s * (settings.retries + 1), settings.passthrough_timeout_s) + SLOT_MARGIN_S
+        return TenantSlots.of_server(settings.api_base or "", settings.slots or 1, settings.timeout_s, store, hold_s)
     return CacheSalt() if settings.kind == "vllm" else Hidden()

@@ -114,7 +114,7 @@ class Runtime:
             else:
                 update.update(kind="llama-cpp-python")
             settings = settings.model_copy(update=update)
-        return make_upstream(name, settings)
+        return make_upstream(name, settings, self.ledger.store)
 
     async def close(self) -> None:
         """Stop child servers, free models, close the store. Safe to call twice."""
@@ -131,11 +131,12 @@ class Runtime:
         await self.ledger.store.close()
 
 
-def make_upstream(name: str, settings: UpstreamSettings) -> Upstream:
-    """An Upstream whose prompts are rendered (and tokens counted) with its own GGUF's vocabulary."""
+def make_upstream(name: str, settings: UpstreamSettings, store: Store | None = None) -> Upstream:
+    """An Upstream whose prompts are rendered (and tokens counted) with its own GGUF's vocabulary,
+    leasing a llama-server's slots through `store` (the runtime's, shared by replicas)."""
     template_ref = settings.template_gguf or (settings.launch.gguf if settings.launch else None)
     vocab = Vocabulary(resolve_model(template_ref)) if template_ref else None
-    return Upstream(name, settings, vocab)
+    return Upstream(name, settings, vocab, store)
 
 
 def _store(settings: Settings) -> Store:

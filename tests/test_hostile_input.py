@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from adapters.cache_isolation import TenantSlots
 from adapters.chat_template import ZERO_WIDTH_SPACE, neutralize
+from adapters.store import MemoryStore
 from gateway.admission.passthrough import blocker_of, check_tools, upstream_params
 from gateway.api.errors import QUOTE_CHARS, GatewayError, InvalidRequest
 from gateway.api.request_body import parse_json_body
@@ -167,7 +168,7 @@ def test_tenant_slots_erase_a_slot_only_when_another_tenant_takes_it():
         erased.append(slot)
 
     async def scenario() -> list[int]:
-        slots = TenantSlots(2, erase)
+        slots = TenantSlots(2, erase, MemoryStore(), "srv", hold_s=30)
         got = []
         for scope, key in [("a", "r1"), ("a", "r1"), ("b", "r2"), ("a", "r3"), ("c", "r4"), ("b", "r2")]:
             async with slots.lease(scope, key) as fields:
@@ -185,7 +186,7 @@ def test_tenant_slots_wait_for_a_free_slot_and_never_share_one():
         await asyncio.sleep(0)
 
     async def scenario() -> int:
-        slots, holders, most = TenantSlots(2, erase), set(), 0
+        slots, holders, most = TenantSlots(2, erase, MemoryStore(), "srv", hold_s=30), set(), 0
 
         async def call(i: int) -> None:
             nonlocal most

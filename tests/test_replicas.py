@@ -2,8 +2,9 @@
 
 Rate limits count across replicas, a request's usage is visible from any replica right after it
 ends, and a capped tenant's concurrent spending on all of them stays within its budget plus one
-reservation per replica. (Per replica, by design: the local model and its cached prefixes, the
-upstream's circuit breaker, tenant slots of a launched upstream, target_fraction's window.)
+reservation per replica; replicas sharing one llama-server agree on which tenant's prompts each of
+its slots holds. (Per replica, by design: the local model and its cached prefixes, the upstream's
+circuit breaker, target_fraction's window.)
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import DEMO_KEY, gateway_config, live_gateway
+from adapters.upstream_server import forgetful_args
+from tests.conftest import DEMO_KEY, gateway_config, live_gateway, upstream_server
 
 pytestmark = pytest.mark.integration
 
@@ -94,3 +96,48 @@ def test_a_capped_tenant_spends_within_its_budget_across_replicas(replicas):
     assert sum(r["upstream_prompt_tokens"] + r["upstream_completion_tokens"] for r in routings) == spent
     assert any("budget_exhausted" in r["degraded"] for r in routings)  # the budget ran out mid-burst
     assert spent <= BUDGET + 3 * biggest_call, (spent, biggest_call)  # at most one reservation per replica past it
+
+
+OTHER_KEY = "sk-other-tenant"
+LONG_ASK = [{"role": "user", "content": "Here is a long note about the history of colour names in many languages, "
+                                        "from ancient dyes to modern paint charts, and why some languages name "
+                                        "blue late. Summarize it in one word."}]
+
+
+@pytest.fixture(scope="module")
+def isolated_replicas(smol_path, redis_url, tmp_path_factory):
+    """Two replicas sharing one llama-server that keeps prompts only in its two slots (tenant isolation)."""
+    prefix = f"test-slots-{uuid.uuid4().hex[:8]}"
+    tmp = tmp_path_factory.mktemp("isolated-replicas")
+    with contextlib.ExitStack() as stack:
+        base = stack.enter_context(upstream_server(smol_path, "smol-isolated", server="llama-server",
+                                                   extra_args=tuple(forgetful_args())))
+        gateways = []
+        for _ in range(2):
+            store = {"backend": "redis", "url": redis_url, "key_prefix": prefix}
+            config = gateway_config(base, mode="tokens", store=store)
+            config["upstreams"]["up"].update(kind="llama-server", slots=2, cache_isolation="tenant")
+            config["tenants"].append({"id": "other", "api_key_env": "TEST_OTHER_KEY"})
+            gateways.append(stack.enter_context(live_gateway(config, tmp, env={"TEST_OTHER_KEY": OTHER_KEY})))
+        yield gateways
+
+
+def cached_on_first_handoff(gateway, key: str) -> int:
+    client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0)
+    # sampled, so that the continuation cache (greedy hand-offs only) does not answer instead
+    answer = client.chat.completions.create(model="routed", messages=LONG_ASK, max_tokens=1, temperature=0.7, seed=1,
+                                            extra_body={"routing": {"policy": "always"}})
+    routing = answer.usage.model_extra["routing"]
+    assert routing["upstream_calls"] == 1
+    return routing["upstream_cached_tokens"]
+
+
+def test_replicas_sharing_an_upstream_agree_on_whose_prompts_each_slot_holds(isolated_replicas):
+    first, second = isolated_replicas
+    cached_on_first_handoff(first, DEMO_KEY)
+    assert cached_on_first_handoff(first, DEMO_KEY) > 0  # the tenant's own slot: its prefix is cached
+    # the other replica's first call for another tenant: with slot leases kept per replica it took
+    # slot 0 (unused, as far as it knew), which held the first tenant's prompt, and read it cached
+    assert cached_on_first_handoff(second, OTHER_KEY) == 0
+    assert cached_on_first_handoff(second, OTHER_KEY) > 0  # and now its own slot holds its prompt
+    assert cached_on_first_handoff(second, DEMO_KEY) > 0  # the first tenant's slot, from either replica

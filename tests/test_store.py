@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from datetime import datetime, timezone
@@ -169,3 +170,40 @@ async def test_unreachable_redis_raises_store_unavailable_quickly():
     assert loop.time() - started < 1.0
     assert await dead.ping() is False
     await dead.close()
+
+
+async def test_slot_leases_keep_one_scope_per_slot(store):
+    server = f"srv-{uuid.uuid4().hex[:6]}"
+    first = await store.slot_lease(server, 2, "tenant:a", "req1", ttl_s=30)
+    assert first.erase is False
+    second = await store.slot_lease(server, 2, "tenant:b", "req2", ttl_s=30)
+    assert second.slot != first.slot and second.erase is False  # an unused slot before another's
+    assert await store.slot_lease(server, 2, "tenant:c", "req3", ttl_s=30) is None  # both held
+    await store.slot_release(server, first)
+    await store.slot_release(server, second)
+    again = await store.slot_lease(server, 2, "tenant:a", "req1", ttl_s=30)
+    assert again.slot == first.slot and again.erase is False  # its own slot, still holding its prompts
+    other = await store.slot_lease(server, 2, "tenant:c", "req3", ttl_s=30)
+    assert other.slot == second.slot and other.erase is True  # b's prompts must go first
+
+
+async def test_a_slot_lease_expires_and_only_its_holder_releases_it(store):
+    server = f"srv-{uuid.uuid4().hex[:6]}"
+    held = await store.slot_lease(server, 1, "tenant:a", "r", ttl_s=1)
+    stale = dataclasses.replace(held, lease="someone-else")
+    await store.slot_release(server, stale)  # not its holder: nothing happens
+    assert await store.slot_lease(server, 1, "tenant:a", "r", ttl_s=1) is None
+    await asyncio.sleep(1.1)  # a holder that died: its lease runs out
+    taken = await store.slot_lease(server, 1, "tenant:b", "r2", ttl_s=30)
+    assert taken is not None and taken.erase is True
+
+
+async def test_a_slot_whose_erase_failed_is_erased_by_its_next_holder(store):
+    server = f"srv-{uuid.uuid4().hex[:6]}"
+    a = await store.slot_lease(server, 1, "tenant:a", "r", ttl_s=30)
+    await store.slot_release(server, a)
+    b = await store.slot_lease(server, 1, "tenant:b", "r", ttl_s=30)
+    assert b.erase is True
+    await store.slot_release(server, b, erased=False)  # a's prompts may still be there
+    again = await store.slot_lease(server, 1, "tenant:b", "r", ttl_s=30)
+    assert again.erase is True
