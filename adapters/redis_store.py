@@ -36,12 +36,21 @@ from typing import Any, TypeVar
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.retry import Retry
 from redis.exceptions import RedisError
+from redis.retry import Retry
 
 from adapters.store import (
-    Billed, Headroom, Limits, RateLimits, Reservation, SlotLease, StoreUnavailable, WindowUsage, new_reservation,
-    to_micro, windows_of,
+    Billed,
+    Headroom,
+    Limits,
+    RateLimits,
+    Reservation,
+    SlotLease,
+    StoreUnavailable,
+    WindowUsage,
+    new_reservation,
+    to_micro,
+    windows_of,
 )
 
 # Sums live reservations (dropping expired ones) and checks every window; KEYS: held zset,

@@ -54,6 +54,9 @@ GATEWAY_EXAMPLES = 40
 RESPONSES_EXAMPLES = 40
 REQUEST_TIMEOUT_S = 60
 ERROR_KEYS = {"message", "type", "param", "code"}
+# a 400 that names a capability the gateway or its configured upstream lacks (a tool type, an input
+# item type, a medium, an API such as Conversations), as against a body it found invalid
+CAPABILITY_WORDS = ("not served here", "does not read", "needs the upstream model")
 
 
 def fuzz_gateway_config(upstream_base: str) -> dict:
@@ -125,14 +128,21 @@ class FuzzReport:
     statuses: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
     refused_params: Counter = field(default_factory=Counter)
     refusal_example: dict[str, str] = field(default_factory=dict)  # first message seen per status and param
+    server_errors_seen: list[str] = field(default_factory=list)  # each 5xx: the request body and the answer
+    capability_refusals: Counter = field(default_factory=Counter)  # per operation: 400s naming what is not served
     failures: list[str] = field(default_factory=list)
 
-    def record(self, label: str, status: int, content: bytes) -> None:
+    def record(self, label: str, status: int, content: bytes, body: object = None) -> None:
         self.statuses[label][status] += 1
+        if status >= 500:
+            self.server_errors_seen.append(f"{label} -> {status}: {content[:300].decode('utf-8', 'replace')}\n"
+                                           f"    request body: {_json_or_repr(body)[:600]}")
         if 400 <= status < 500:
             with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
                 error = json.loads(content)["error"]
                 key = f"{status} {error['param']}"
+                if status == 400 and any(words in error["message"] for words in CAPABILITY_WORDS):
+                    self.capability_refusals[label] += 1
                 self.refused_params[key] += 1
                 self.refusal_example.setdefault(key, error["message"][:160])
 
@@ -156,8 +166,13 @@ class FuzzReport:
                  f"check failures: {len(self.failures)}"]
         for label in sorted(self.statuses):
             counts = ", ".join(f"{status}: {n}" for status, n in sorted(self.statuses[label].items()))
+            answered = self.served(label) + self.capability_refusals[label]
             lines.append(f"  {label}: {self.total(label)} requests ({counts}), "
-                         f"2xx share {self.served(label) / max(1, self.total(label)):.1%}")
+                         f"2xx share {self.served(label) / max(1, self.total(label)):.1%}, served or refused "
+                         f"for a capability not served {answered / max(1, self.total(label)):.1%}")
+        if self.server_errors_seen:
+            lines.append("  5xx (first three):")
+            lines += [f"    {seen}" for seen in self.server_errors_seen[:3]]
         if self.refused_params:
             lines.append("  refusals by status and param (count, first message):")
             lines += [f"    {key!r} x{n}: {self.refusal_example[key]}" for key, n in self.refused_params.most_common(12)]
@@ -193,15 +208,16 @@ def documented_contract(spec: dict) -> dict:
 
 def load_responses_spec(config: schemathesis.Config | None = None):
     """(c): OpenAI's description of the Responses API (create, retrieve, delete), its create body
-    closed at the top level as the API enforces it, `model` one of the test aliases and
-    `max_output_tokens` required at OpenAI's minimum of 16, so that bodies reach the decoder quickly."""
+    closed at the top level as the API enforces it, `model` one of the test aliases, and `input`
+    and `max_output_tokens` (at OpenAI's minimum of 16) required, so that every body asks for an
+    answer and reaches the decoder quickly."""
     spec = json.loads(RESPONSES_SPEC.read_text())
     schemas = spec["components"]["schemas"]
     properties, required = _flat(schemas, schemas["CreateResponse"])
     properties["model"] = {"type": "string", "enum": list(ALIASES)}
     properties["max_output_tokens"] = {"type": "integer", "minimum": 16, "maximum": 16}
     schemas["CreateResponse"] = {"type": "object", "properties": properties, "additionalProperties": False,
-                                 "required": sorted({*required, "model", "max_output_tokens"})}
+                                 "required": sorted({*required, "model", "input", "max_output_tokens"})}
     return schemathesis.openapi.from_dict(spec, config=config or schemathesis.Config())
 
 
@@ -250,7 +266,7 @@ def fuzz(schema, base_url: str, *, name: str, examples: int, seed: int = SEED,
             def one(case) -> None:
                 response = case.call(base_url=base_url, session=session, headers=dict(AUTH),
                                      timeout=REQUEST_TIMEOUT_S)
-                report.record(operation.label, response.status_code, response.content)
+                report.record(operation.label, response.status_code, response.content, case.body)
                 try:
                     case.validate_response(response, checks=checks, headers=dict(AUTH))
                 except FailureGroup as group:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from gateway.admission.passthrough import blocker_of
+from gateway.admission.passthrough import blocker_of, check_media, check_tools
+from gateway.api.errors import InvalidRequest
 from gateway.api.schemas import ChatCompletionRequest
+from gateway.settings import ServerSettings
 
 USER = {"role": "user", "content": "Hi"}
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
@@ -15,27 +19,27 @@ def request(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"model": "m", "messages": [USER], **fields})
 
 
-@pytest.mark.parametrize(("fields", "param", "medium"), [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", None),
-    ({"tool_choice": "none"}, "tool_choice", None),
-    ({"functions": [{"name": "f"}]}, "functions", None),
-    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", None),
-    ({"modalities": ["text", "audio"]}, "modalities", None),
-    ({"web_search_options": {}}, "web_search_options", None),
+@pytest.mark.parametrize(("fields", "param", "reason"), [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
+    ({"tool_choice": "none"}, "tool_choice", "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions", "functions"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities", "modalities"),
+    ({"web_search_options": {}}, "web_search_options", "web_search_options"),
     ({"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
-                   {"role": "tool", "tool_call_id": "c1", "content": "42"}]}, "messages[1].tool_calls", None),
-    ({"messages": [{"role": "tool", "tool_call_id": "c1", "content": "42"}]}, "messages[0].role", None),
+                   {"role": "tool", "tool_call_id": "c1", "content": "42"}]}, "messages[1].tool_calls", "assistant_tool_calls"),
+    ({"messages": [{"role": "tool", "tool_call_id": "c1", "content": "42"}]}, "messages[0].role", "tool_result"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
                                                 {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
-     "messages[0].content[1]", "image"),
+     "messages[0].content[1]", "image_part"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
-     "messages[0].content[0]", "audio"),
-    ({"max_tokens": 65}, "max_tokens", None),
-    ({"max_completion_tokens": 65}, "max_completion_tokens", None),
+     "messages[0].content[0]", "audio_part"),
+    ({"max_tokens": 65}, "max_tokens", "max_tokens"),
+    ({"max_completion_tokens": 65}, "max_completion_tokens", "max_completion_tokens"),
 ])
-def test_the_first_field_only_an_upstream_serves_is_named(fields, param, medium):
+def test_the_first_field_only_an_upstream_serves_is_named(fields, param, reason):
     blocker = blocker_of(request(**fields), max_tokens_limit=64)
-    assert blocker is not None and (blocker.param, blocker.medium) == (param, medium)
+    assert blocker is not None and (blocker.param, blocker.reason) == (param, reason)
 
 
 @pytest.mark.parametrize("fields", [
@@ -55,3 +59,24 @@ def test_what_the_local_model_serves_stays_local(fields):
 def test_null_means_the_documented_default():
     body = request(temperature=None, top_p=None, n=None, stream=None, presence_penalty=None)
     assert (body.temperature, body.top_p, body.n, body.stream, body.presence_penalty) == (1.0, 1.0, 1, False, 0.0)
+
+
+def test_every_media_part_is_checked_not_only_the_one_that_sent_the_request_upstream():
+    body = request(tools=[{"type": "function", "function": {"name": "f"}}], messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Look"},
+                                     {"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert blocker_of(body, max_tokens_limit=64).param == "tools"
+    text_only = SimpleNamespace(whole=SimpleNamespace(reads=lambda medium: False))
+    with pytest.raises(InvalidRequest) as caught:
+        check_media(body, text_only)
+    assert caught.value.param == "messages[0].content[1]" and "does not read image" in caught.value.message
+    check_media(body, SimpleNamespace(whole=SimpleNamespace(reads=lambda medium: medium == "image")))
+
+
+def test_tool_calls_in_the_conversation_must_be_of_a_served_type():
+    custom = {"id": "c1", "type": "custom", "custom": {"name": "sh", "input": "ls"}}
+    body = request(messages=[USER, {"role": "assistant", "content": None, "tool_calls": [CALL, custom]}])
+    with pytest.raises(InvalidRequest) as caught:
+        check_tools(body, ["function"], ServerSettings())
+    assert caught.value.param == "messages[1].tool_calls[1].type"
+    check_tools(body, ["function", "custom"], ServerSettings())

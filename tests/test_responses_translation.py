@@ -57,6 +57,7 @@ def test_items_become_chat_messages_and_calls_join_the_assistant_turn():
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "mcp"}]}}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"background": True}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
@@ -78,6 +79,11 @@ def test_function_tools_structured_output_and_logprobs_map_onto_chat_fields():
     assert chat.tools == [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"},
                                                             "strict": True}}]
     assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    allowed = request(tool_choice={"type": "allowed_tools", "mode": "required",
+                                   "tools": [{"type": "function", "name": "get_weather"}]})
+    assert chat_request(allowed, input_messages(allowed.input)).tool_choice == {
+        "type": "allowed_tools",
+        "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}
     assert chat.response_format.json_schema.schema_ == {"type": "object"}
     assert (chat.logprobs, chat.top_logprobs, chat.stream_options.include_usage) == (True, 2, True)
 

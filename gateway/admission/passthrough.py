@@ -47,13 +47,12 @@ MEDIA = {"image_url": "image", "input_audio": "audio", "file": "file"}
 
 @dataclass(frozen=True)
 class Blocker:
-    """The field that keeps a request off the token-level path, why, and the medium the upstream
-    must read (image, audio, file) if that is what it is. `reason` is the field's kind without
-    indices (a bounded metric label); `param` names the very field, for the client and the logs."""
+    """The field that keeps a request off the token-level path, and why. `reason` is the field's
+    kind without indices (a bounded metric label); `param` names the very field, for the client
+    and the logs."""
 
     param: str
     why: str
-    medium: str | None = None
     kind: str | None = None
 
     @property
@@ -78,7 +77,7 @@ def blocker_of(body: ChatCompletionRequest, max_tokens_limit: int) -> Blocker | 
         for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
             if isinstance(part, MediaPart) and part.type != "refusal":
                 return Blocker(f"messages[{i}].content[{j}]", f"{part.type} parts need the upstream model",
-                               MEDIA[part.type], kind=f"{MEDIA[part.type]}_part")
+                               kind=f"{MEDIA[part.type]}_part")
     requested = body.requested_max_tokens
     if requested is not None and requested > max_tokens_limit:
         name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -221,9 +220,7 @@ async def admit(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
     if refusal:
         raise InvalidRequest(f"'{blocker.param}': {blocker.why}; {refusal}", param=blocker.param)
     upstream = alias.upstream
-    if blocker.medium and not upstream.whole.reads(blocker.medium):
-        raise InvalidRequest(f"'{blocker.param}': {blocker.why}, and this model's upstream does not read "
-                             f"{blocker.medium} input", param=blocker.param)
+    check_media(body, upstream)
     check_tools(body, upstream.settings.tool_types, runtime.settings.server)
     if not upstream.available:
         raise Overloaded(f"'{blocker.param}' needs the upstream model, which is unavailable; retry shortly",
@@ -292,10 +289,28 @@ def _neutral_values(value: Any, neutral: Callable[[str], str]) -> Any:
     return value
 
 
+def check_media(body: ChatCompletionRequest, upstream: Upstream) -> None:
+    """Refuse (400) a part in any message of a medium the upstream does not read (not only the
+    part that sent the request to it: a request with tools may carry an image further on)."""
+    for i, message in enumerate(body.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            medium = MEDIA.get(part.type) if isinstance(part, MediaPart) else None
+            if medium and not upstream.whole.reads(medium):
+                raise InvalidRequest(f"'messages[{i}].content[{j}]': {part.type} parts need the upstream model, and "
+                                     f"this model's upstream does not read {medium} input",
+                                     param=f"messages[{i}].content[{j}]")
+
+
 def check_tools(body: ChatCompletionRequest, tool_types: list[str], server: ServerSettings) -> None:
     """Refuse (400) a tool of a type the upstream is not configured for (litellm would handle it
     itself: MCP servers, web search), and a definition nested or sized past the server's limits
-    (an upstream compiles each schema, and a deep one held one for tens of seconds)."""
+    (an upstream compiles each schema, and a deep one held one for tens of seconds). Tool calls in
+    the conversation must be of a served type too (an upstream parses them to render its template)."""
+    for i, message in enumerate(body.messages):
+        for j, call in enumerate(getattr(message, "tool_calls", None) or ()):
+            if call.type not in tool_types:
+                raise InvalidRequest(f"tool calls of type '{call.type}' are not served here (served: "
+                                     f"{', '.join(tool_types)})", param=f"messages[{i}].tool_calls[{j}].type")
     for name, tools in (("tools", body.tools or ()), ("functions", body.functions or ())):
         for i, tool in enumerate(tools):
             kind = tool.get("type", "function") if name == "tools" else "function"

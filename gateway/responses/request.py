@@ -54,7 +54,7 @@ class ResponsesRequest(Wire):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    max_tool_calls: int | None = Field(None, ge=1)
+    max_tool_calls: int | None = None  # bounds built-in tool calls, which are not served here: no effect
     store: bool | None = True
     stream: bool | None = False
     stream_options: ResponsesStreamOptions | None = None
@@ -238,9 +238,16 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
 
 
 def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """Chat's tool_choice of a Responses one: a mode, a function, or allowed function tools."""
     if choice is None or isinstance(choice, str):
         return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    kind = choice.get("type")
+    if kind == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise InvalidRequest("tool_choice is 'auto', 'none', 'required' or a function ({\"type\": \"function\", "
-                         "\"name\": ...})", param="tool_choice")
+    if kind == "allowed_tools" and isinstance(choice.get("tools"), list):
+        tools = [{"type": "function", "function": {"name": tool.get("name")}}
+                 for tool in choice["tools"] if isinstance(tool, dict) and tool.get("type") == "function"]
+        if len(tools) == len(choice["tools"]):
+            return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode", "auto"), "tools": tools}}
+    raise InvalidRequest(f"tool_choice of type '{quoted(str(kind))}' is not served here (served: a mode, a function, "
+                         "or allowed function tools)", param="tool_choice")
