@@ -1,7 +1,9 @@
 """What an upstream's tokens cost: prices per token from the configuration or litellm's price map.
 
-The cost issue's price model (cache-write prices, minimum cacheable prompt lengths, compute prices
-of self-hosted upstreams) extends this module; the upstream client only asks it for a cost.
+Prompt tokens are billed fresh, read from the provider's cache (`cached_input`), or written to it
+(`cache_write`: Anthropic-class providers bill a prompt they cache at 1.25x); output tokens at
+`output`. The upstream client only asks this module for a cost; the decoder asks it for the most a
+call may cost (`worst_case`) and for what asking the upstream directly would cost (`direct`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ class Prices(NamedTuple):
     input: float
     cached_input: float
     output: float
+    cache_write: float | None = None  # None: a cache write costs the input price
+
+    def worst_case(self, prompt_tokens: int, completion_tokens: int) -> float:
+        """The most a call of this size can bill: no prompt token read from a cache, every one
+        written to it if that costs more."""
+        return prompt_tokens * max(self.input, self.cache_write or 0.0) + completion_tokens * self.output
+
+    def direct(self, prompt_tokens: int, completion_tokens: int) -> float:
+        """What asking the upstream directly costs: the prompt once, fresh, and the answer."""
+        return prompt_tokens * self.input + completion_tokens * self.output
 
     def cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float:
         """Price of a call of this size, `cached_tokens` of its prompt at the cached price."""
@@ -25,13 +37,13 @@ class Prices(NamedTuple):
 
     @classmethod
     def of(cls, model: str, input_usd_per_mtok: float | None = None, output_usd_per_mtok: float | None = None,
-           cached_input_usd_per_mtok: float | None = None) -> "Prices":
+           cached_input_usd_per_mtok: float | None = None, cache_write_usd_per_mtok: float | None = None) -> "Prices":
         """The configured prices (per million tokens), else litellm's map for `model`, else 0.
         Cached input without a known price costs the full input price: a discount nobody stated is
-        never assumed."""
+        never assumed; a cache write without one costs the input price."""
         if input_usd_per_mtok is not None or output_usd_per_mtok is not None:
             fresh, output = (input_usd_per_mtok or 0.0) / 1e6, (output_usd_per_mtok or 0.0) / 1e6
-            known_cached = None
+            known_cached = known_write = None
         else:
             try:
                 info = litellm().get_model_info(model)
@@ -39,6 +51,9 @@ class Prices(NamedTuple):
                 info = {}
             fresh, output = info.get("input_cost_per_token") or 0.0, info.get("output_cost_per_token") or 0.0
             known_cached = info.get("cache_read_input_token_cost")
+            known_write = info.get("cache_creation_input_token_cost")
         if cached_input_usd_per_mtok is not None:
             known_cached = cached_input_usd_per_mtok / 1e6
-        return cls(fresh, fresh if known_cached is None else known_cached, output)
+        if cache_write_usd_per_mtok is not None:
+            known_write = cache_write_usd_per_mtok / 1e6
+        return cls(fresh, fresh if known_cached is None else known_cached, output, known_write)

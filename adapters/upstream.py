@@ -75,6 +75,9 @@ class Continuations(Protocol):
 
     def estimate_cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float: ...
 
+    @property
+    def prices(self) -> Prices: ...  # USD per token (adapters.pricing)
+
     async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
                             seed: int | None, extra: dict[str, Any] | None = None) -> Continuation: ...
 
@@ -152,7 +155,8 @@ class Upstream:
     def prices(self) -> Prices:
         """USD per token (adapters.pricing): the configured prices, else litellm's map, else 0."""
         s = self.settings
-        return Prices.of(s.model, s.input_usd_per_mtok, s.output_usd_per_mtok, s.cached_input_usd_per_mtok)
+        return Prices.of(s.model, s.input_usd_per_mtok, s.output_usd_per_mtok, s.cached_input_usd_per_mtok,
+                         s.cache_write_usd_per_mtok)
 
     def billed_usage(self, response: Any) -> CallUsage:
         """What a response (or a streamed chunk) billed, as the client may see it: with a cache that

@@ -66,6 +66,10 @@ class UpstreamSettings(Strict):
     cached_input_usd_per_mtok: float | None = Field(
         None, ge=0, description="Price per million cached prompt tokens (else litellm's cache_read_input_token_cost, "
         "else the full input price: a discount is never assumed).")
+    cache_write_usd_per_mtok: float | None = Field(
+        None, ge=0, description="Price per million prompt tokens written to the provider's cache (Anthropic-class: "
+        "1.25x input; else litellm's cache_creation_input_token_cost, else the input price). A cost ceiling "
+        "(routing.max_cost_ratio) counts every prompt token of a hand-off at the higher of the two.")
     warm: bool = Field(
         False, description="tokens mode: send the prompt (no answer) when a routed request starts, so the "
         "upstream's cache holds it by the first hand-off.")

@@ -33,6 +33,7 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from adapters.pricing import Prices
 from adapters.upstream import Continuation, Handoff, Upstream
 from gateway.api.errors import GatewayError, Unauthenticated
 
@@ -356,6 +357,10 @@ class MeteredUpstream:
 
     def estimate_prompt_tokens(self, handoff: Handoff) -> int:
         return self.inner.estimate_prompt_tokens(handoff)
+
+    @property
+    def prices(self) -> Prices:
+        return self.inner.prices
 
     def estimate_cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float:
         return self.inner.estimate_cost(prompt_tokens, completion_tokens, cached_tokens)

@@ -75,6 +75,12 @@ class RoutingSettings(Strict):
         "tokens", description="Where a hand-off's text ends: tokens (all `span` tokens), or the end of the first "
         "word, line or sentence within them.")
     max_upstream_calls: int = Field(64, ge=0, description="Cap on upstream calls per request.")
+    max_cost_ratio: float | None = Field(
+        None, gt=0, le=1000, description="Cost ceiling: an answer's hand-offs never bill more than this multiple of "
+        "what asking the upstream directly would cost (its price sheet: the prompt once, plus the answer's tokens).")
+    on_ceiling: OnCeiling = Field(
+        "local", description="When the next hand-off would pass the ceiling: local (finish locally) or escalate "
+        "(the upstream writes the rest of the answer in one call).")
 
     @model_validator(mode="before")
     @classmethod
@@ -97,6 +103,7 @@ class RoutingSettings(Strict):
 
 
 PolicyName = Literal["never", "always", "entropy", "top1", "margin", "target_fraction", "learned", "first"]
+OnCeiling = Literal["local", "escalate"]
 SpanRule = Literal["tokens", "word", "line", "sentence"]
 
 
@@ -110,6 +117,9 @@ class RoutingOverride(Strict):
     max_upstream_share: float | None = Field(None, ge=0, le=1, description="Cap on the upstream share of the answer.")
     span: int | None = Field(None, ge=1, le=64, description="Most tokens the upstream writes per hand-off.")
     span_until: SpanRule | None = Field(None, description="Where a hand-off's text ends: tokens, word, line, sentence.")
+    max_cost_ratio: float | None = Field(None, gt=0, le=1000, description="Cost ceiling, as a multiple of asking the "
+                                         "upstream directly.")
+    on_ceiling: OnCeiling | None = Field(None, description="At the ceiling: local or escalate.")
 
 
 Unsupported = Literal["upstream", "refuse"]

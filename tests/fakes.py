@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adapters.pricing import Prices
 from adapters.upstream import Continuation, Handoff, UpstreamUnavailable
 
 EOS = "<eos>"
@@ -140,8 +141,10 @@ class FakeUpstream:
     def estimate_prompt_tokens(self, handoff: Handoff) -> int:
         return 10 + len(handoff.answer)
 
+    prices = Prices(input=1e-6, cached_input=1e-7, output=1e-6)
+
     def estimate_cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float:
-        return (prompt_tokens - cached_tokens + completion_tokens) * 1e-6 + cached_tokens * 1e-7
+        return self.prices.cost(prompt_tokens, completion_tokens, cached_tokens)
 
     async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
                             seed: int | None, extra: dict | None = None) -> Continuation:

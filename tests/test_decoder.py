@@ -11,6 +11,7 @@ import pytest
 from adapters.store import Limits, MemoryStore, StoreUnavailable
 from adapters.upstream import UpstreamRejected
 from gateway.admission.budget import HandoffGate, Ledger
+from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import Sampling
 from policies import build_policy
@@ -20,12 +21,12 @@ VOCAB = ["Par", "is", "Paris", " is", " nice", " big", *sorted(set("Paris is nic
 
 
 def make(local, upstream, policy="always", max_tokens=20, span=1, stop=(), limits=Limits(), store=None,
-         span_until="tokens", grammar=None, prompt=None, **kw):
+         span_until="tokens", grammar=None, prompt=None, ceiling=None, on_ceiling="local", choice=0, **kw):
     store = store or MemoryStore()
     gate = HandoffGate(Ledger(store), "t", limits, allowed=True)
     request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=max_tokens,
                             policy=build_policy(policy, **kw), span=span, stop=stop, span_until=span_until,
-                            grammar=grammar, prompt=prompt)
+                            grammar=grammar, prompt=prompt, ceiling=ceiling, on_ceiling=on_ceiling, choice=choice)
     return Decoding(local, upstream, gate, request), store
 
 
@@ -71,6 +72,41 @@ async def test_a_raw_prompt_stays_local_when_the_upstream_continues_chats_only()
     text = "".join(p.text for p in await run(decoding))
     assert text == "Paris is nice." and upstream.calls == []
     assert decoding.usage.degraded == ["upstream_continues_chats_only"]
+
+
+def ceiling(ratio: float) -> CostCeiling:
+    return CostCeiling(ratio, FakeUpstream("").prices, prompt_tokens=0)  # the decoding sets the prompt's count
+
+
+async def test_a_cost_ceiling_of_one_keeps_the_answer_within_asking_directly():
+    limit = ceiling(1.0)
+    decoding, _ = make(FakeLocalModel(VOCAB, "Paris is nice."), FakeUpstream("Paris is nice."), ceiling=limit)
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is nice." and decoding.usage.upstream_calls >= 1
+    assert "cost_ceiling" in decoding.usage.degraded and decoding.source_counts()["local"] > 0
+    assert decoding.usage.upstream_cost_usd == pytest.approx(limit.spent_usd)
+    assert limit.spent_usd <= limit.direct_usd()  # the prompt once plus the answer, at the sheet's prices
+    invariant(decoding)
+
+
+async def test_escalation_hands_the_rest_to_the_upstream_in_one_call():
+    upstream = FakeUpstream("Paris is nice.")
+    decoding, _ = make(FakeLocalModel(VOCAB, "Rome"), upstream, ceiling=ceiling(1.0), on_ceiling="escalate",
+                       max_tokens=20)
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is nice." and decoding.usage.escalated  # all of it the upstream's: its answer, not Rome
+    assert len(upstream.calls) == 2 and decoding.usage.upstream_calls == 2  # one hand-off, then the rest at once
+    assert "cost_ceiling" in decoding.usage.degraded
+
+
+async def test_choices_share_one_ceiling_as_asking_directly_bills_their_prompt_once():
+    limit = ceiling(2.0)
+    decodings = [make(FakeLocalModel(VOCAB, "Paris is nice."), FakeUpstream("Paris is nice."), ceiling=limit,
+                      choice=choice)[0] for choice in range(3)]
+    await asyncio.gather(*(run(d) for d in decodings))
+    assert sum(d.usage.upstream_cost_usd for d in decodings) == pytest.approx(limit.spent_usd)
+    assert limit.spent_usd <= 2.0 * limit.direct_usd()
+    assert sum(limit.answered.values()) <= sum(len(d.answer_tokens) for d in decodings)
 
 
 async def test_always_writes_everything_upstream_and_bills_each_call():

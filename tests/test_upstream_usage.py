@@ -62,14 +62,24 @@ def test_cached_tokens_cost_the_configured_cached_price():
 
 
 def test_cached_tokens_cost_litellms_cached_price_when_it_knows_one():
-    fresh, cached, output = upstream(model="deepseek/deepseek-chat").prices
+    fresh, cached, output, _ = upstream(model="deepseek/deepseek-chat").prices
     assert cached < fresh and cached > 0 and output > 0  # DeepSeek's published hit price is a tenth of a miss
+
+
+def test_cache_writes_cost_litellms_write_price_or_the_configured_one():
+    prices = upstream(model="anthropic/claude-haiku-4-5").prices
+    assert prices.cache_write == pytest.approx(1.25 * prices.input)  # Anthropic's published write premium
+    assert prices.worst_case(1000, 10) == pytest.approx(1000 * prices.cache_write + 10 * prices.output)
+    configured = upstream(model="openai/x", input_usd_per_mtok=1.0, output_usd_per_mtok=2.0,
+                          cache_write_usd_per_mtok=3.0)
+    assert configured.prices.cache_write == pytest.approx(3e-6)
+    assert upstream(model="openai/x", input_usd_per_mtok=1.0).prices.worst_case(10, 0) == pytest.approx(1e-5)
 
 
 def test_no_discount_is_assumed_when_no_cached_price_is_known():
     priced = upstream(model="openai/x", input_usd_per_mtok=1.0, output_usd_per_mtok=2.0)
     assert priced.estimate_cost(1000, 0, cached_tokens=800) == priced.estimate_cost(1000, 0)
-    assert upstream(model="openai/not-a-mapped-model").prices == (0.0, 0.0, 0.0)
+    assert upstream(model="openai/not-a-mapped-model").prices == (0.0, 0.0, 0.0, None)
 
 
 def test_cache_hints_follow_each_providers_documented_form():

@@ -23,6 +23,7 @@ from gateway.admission.tenants import Tenant
 from gateway.api.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, quoted
 from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.api.streams import merged
+from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.decoder import DecodeRequest, Decoding, Piece
 from gateway.decoding.logit_rules import LogitRules
 from gateway.decoding.signals import Sampling
@@ -150,8 +151,11 @@ async def start(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
     gate = HandoffGate(runtime.ledger, tenant.id, tenant.limits, allowed=tenant.settings.allow_upstream,
                        refusal="budget_exhausted" if tenant.settings.allow_upstream else "upstream_forbidden",
                        cache_scope=tenant.cache_scope)
-    decodings = [_decoding(alias, gate, body, prompts, text, routing, max_tokens, grammar, choice)
-                 for text in prompts.texts for choice in range(body.n)]
+    decodings = []
+    for text in prompts.texts:  # each prompt's choices share one cost ceiling (their prompt is billed once)
+        ceiling = CostCeiling(routing.max_cost_ratio, alias.upstream.prices, 0) if alias.upstream else None
+        decodings += [_decoding(alias, gate, body, prompts, text, routing, max_tokens, grammar, choice, ceiling)
+                      for choice in range(body.n)]
     kind = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
     request_id = f"{kind}-{uuid.uuid4().hex}"
     prompt_tokens = sum(len(d.prompt_tokens) for d in decodings[::body.n])
@@ -161,7 +165,7 @@ async def start(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
 
 def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | CompletionRequest, prompts: Prompts,
               text: str | None, routing: RoutingSettings, max_tokens: int, grammar: str | None,
-              choice: int) -> Decoding:
+              choice: int, ceiling: CostCeiling | None) -> Decoding:
     """The decoding of one choice; choices differ by seed (seed + choice) when they sample."""
     try:
         policy = build_policy(routing.policy, routing.threshold, routing.target_fraction,
@@ -178,6 +182,7 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | Com
         span=routing.span, span_until=routing.span_until, continue_final=chat and body.continue_final_message,
         logprobs=logprobs, top_logprobs=top_logprobs,
         rules=LogitRules.of(body.presence_penalty, body.frequency_penalty, body.logit_bias), grammar=grammar,
+        ceiling=ceiling, on_ceiling=routing.on_ceiling, choice=choice,
     )
     try:
         decoding = Decoding(alias.local, alias.continuations, gate, request)

@@ -33,11 +33,13 @@ from adapters.local_model import LocalModel
 from adapters.store import Billed
 from adapters.upstream import Continuation, Continuations, Handoff, UpstreamRejected, UpstreamUnavailable
 from gateway.admission.budget import HandoffGate
+from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.logit_rules import LogitRules
 from gateway.decoding.signals import Sampling, log_softmax, sample, signal_of, token_kind
 from gateway.decoding.spans import cut_span
 from gateway.decoding.text_stream import TextReleaser
 from policies import LOCAL as LOCAL_STEP
+from policies import UPSTREAM as UPSTREAM_STEP
 from policies import Decision, Policy, RoutingState, Signal
 
 LOCAL, UPSTREAM, CACHE = "local", "upstream", "cache"
@@ -85,6 +87,9 @@ class DecodeRequest:
     rules: LogitRules = LogitRules()
     grammar: str | None = None  # GBNF the answer must follow
     prompt: str | None = None  # raw text to continue instead of `messages` (legacy completions), as plain text
+    ceiling: CostCeiling | None = None  # shared by the request's choices; None without an upstream
+    on_ceiling: str = "local"  # local | escalate: what a hand-off past the ceiling becomes
+    choice: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ class RoutingUsage:
     upstream_cached_tokens: int = 0  # of the prompt tokens, those the upstream read from its cache
     upstream_compute_ms: float = 0.0  # the upstream's own prompt + generation time, where it reports it
     upstream_cost_usd: float = 0.0
+    escalated: bool = False  # the upstream wrote the rest of the answer in one call (on_ceiling: escalate)
     degraded: list[str] = field(default_factory=list)
 
     def degrade(self, reason: str) -> None:
@@ -146,6 +152,8 @@ class Decoding:
         self._rng = np.random.default_rng(None if request.seed is None else request.seed % 2**64)
         self._handoff = self._first_handoff(upstream, request, gate.cache_scope)
         self._upstream_closed = self._handoff is None
+        if request.ceiling is not None and self._handoff is not None and not request.ceiling.prompt_tokens:
+            request.ceiling.prompt_tokens = upstream.estimate_prompt_tokens(self._handoff)
         self._warming: asyncio.Future | None = None  # the warm-up call, until the first hand-off waits for it
         self._kind_of = self._token_kind if request.policy.detailed_signal else None
         self._grammar: Grammar | None = local.grammar(request.grammar) if request.grammar else None
@@ -173,7 +181,7 @@ class Decoding:
             self.usage.degrade(self.gate.refusal)
         elif self.upstream is not None and self._handoff is None and self.request.policy.routes:
             self.usage.degrade("upstream_continues_chats_only")  # raw text, and a chat-mode upstream
-        if self._may_route() and self.upstream.warms and self.request.policy.wants_warm_up:
+        if self._may_route() and self.upstream.warms and self.request.policy.wants_warm_up and not self._capped_cost:
             self._warming = asyncio.ensure_future(self._call_upstream(self._handoff, 0))
         try:
             async with self.local.sequence(self.prompt_tokens, self.gate.cache_scope) as sequence:
@@ -187,6 +195,8 @@ class Decoding:
                     else:
                         yield await self._local_step(logits, signal)
         finally:
+            if self.request.ceiling is not None:  # the answer's length, for the report's cost_ratio
+                self.request.ceiling.note(self.request.choice, len(self.answer_tokens))
             if self._warming is not None:
                 self._warming.cancel()
                 await asyncio.gather(self._warming, return_exceptions=True)
@@ -222,7 +232,14 @@ class Decoding:
             handoff_cost_tokens=len(self.prompt_tokens) + answered + self.request.span,
         )
 
+    @property
+    def _capped_cost(self) -> bool:
+        """A cost ceiling is set: no warm-up call, whose prompt the first hand-off would pay again."""
+        return self.request.ceiling is not None and self.request.ceiling.ratio is not None
+
     def _decide(self, signal: Signal) -> Decision:
+        if self.usage.escalated and not self._upstream_closed and not self.text.mid_character:
+            return UPSTREAM_STEP  # the upstream writes the rest
         wanted = self.request.policy.decide(signal, self._state())
         if wanted.vetoed == "budget" and not self._upstream_closed:
             self.usage.degrade("budget_exhausted")
@@ -261,11 +278,19 @@ class Decoding:
     async def _upstream_step(self, sequence: Sequence, logits: np.ndarray, signal: Signal,
                              room: int | None) -> list[Piece]:
         """A hand-off of up to `room` tokens (the caps' headroom; None: the request's span)."""
-        span = max(1, min(self.request.span, self.limit - len(self.answer_tokens),
-                          self.request.span if room is None else room))
+        rest = self.limit - len(self.answer_tokens)
+        span = max(1, rest if self.usage.escalated else
+                   min(self.request.span, rest, self.request.span if room is None else room))
         if self._grammar is not None:
             span = min(span, GRAMMAR_SPAN)
         self._handoff = self.upstream.with_answer(self._handoff, self.text.text)
+        held = self._hold_under_ceiling(span)
+        if held is None:
+            if self.request.on_ceiling != "escalate":
+                return [await self._local_step(logits, signal)]
+            self.usage.escalated = True
+            span = max(1, rest if self._grammar is None else min(rest, GRAMMAR_SPAN))
+        billed_before = self.usage.upstream_cost_usd
         call = asyncio.ensure_future(self._continuation(self._handoff, span))
         try:
             guesses = await self._guess(sequence, logits, signal, call)
@@ -273,6 +298,9 @@ class Decoding:
         except BaseException:
             call.cancel()
             raise
+        finally:
+            if self.request.ceiling is not None:
+                self.request.ceiling.settle(held or 0.0, self.usage.upstream_cost_usd - billed_before)
         before = list(self.answer_tokens)
         if got is not None and self._grammar is not None:
             got = self._grammar_cut(*got)
@@ -281,6 +309,21 @@ class Decoding:
         else:
             pieces = [await self._append_upstream(sequence, *got, signal)]
         return pieces + self._keep_guesses(before, guesses)
+
+    def _hold_under_ceiling(self, span: int) -> float | None:
+        """The worst case of this hand-off, held against the request's cost ceiling (0 with none,
+        or once escalated); None past it: the answer stays local from here (on_ceiling: local) and
+        the reason is reported."""
+        ceiling = self.request.ceiling
+        if ceiling is None or self.usage.escalated:
+            return 0.0
+        held = ceiling.hold(self.request.choice, len(self.answer_tokens),
+                            self.upstream.estimate_prompt_tokens(self._handoff), span)
+        if held is None:
+            self.usage.degrade("cost_ceiling")
+            if self.request.on_ceiling != "escalate":
+                self._upstream_closed = True
+        return held
 
     async def _append_upstream(self, sequence: Sequence, text: str, finished: bool, source: str,
                                signal: Signal) -> Piece:
@@ -336,7 +379,7 @@ class Decoding:
         got = await self._uncut_continuation(handoff, span)
         if got is None:
             return None
-        text, cut = cut_span(got[0], self.request.span_until)
+        text, cut = cut_span(got[0], "tokens" if self.usage.escalated else self.request.span_until)
         return text, got[1] and not cut, got[2]
 
     async def _uncut_continuation(self, handoff: Handoff, span: int) -> tuple[str, bool, str] | None:

@@ -1,0 +1,48 @@
+"""A request's cost ceiling: its hand-offs never bill more than a multiple of asking the upstream
+directly for the same answer.
+
+What asking directly costs is the upstream's price sheet applied to the prompt once (as the
+upstream counts it) and the answer's tokens (all choices'). Before each hand-off the decoder asks
+`allows` with the call's size; the call is counted at its worst case (no prompt token read from a
+cache, each written to it where that costs more), so what is billed can only be less, and the
+ceiling holds whatever the provider's cache does. One ceiling is shared by a request's choices
+(`n`), since asking directly would bill their prompt once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from adapters.pricing import Prices
+
+
+@dataclass
+class CostCeiling:
+    ratio: float | None  # None: no ceiling, only the report (`cost_ratio`)
+    prices: Prices
+    prompt_tokens: int  # the upstream's count of the request's prompt
+    spent_usd: float = 0.0  # billed by this request's hand-offs so far, every choice's
+    held_usd: float = 0.0  # the worst case of hand-offs in flight (choices decode concurrently)
+    answered: dict[int, int] = field(default_factory=dict)  # choice -> answer tokens so far
+
+    def note(self, choice: int, answered: int) -> None:
+        self.answered[choice] = answered
+
+    def direct_usd(self, more_tokens: int = 0) -> float:
+        """What asking the upstream directly for the answers so far (plus `more_tokens`) would cost."""
+        return self.prices.direct(self.prompt_tokens, sum(self.answered.values()) + more_tokens)
+
+    def hold(self, choice: int, answered: int, call_prompt_tokens: int, span: int) -> float | None:
+        """Hold the worst case of a hand-off of this size by choice `choice`, `answered` tokens into
+        its answer, if it keeps the request under the ceiling; None if it would not."""
+        self.note(choice, answered)
+        worst = self.prices.worst_case(call_prompt_tokens, span)
+        if self.ratio is not None and self.spent_usd + self.held_usd + worst > self.ratio * self.direct_usd(span):
+            return None
+        self.held_usd += worst
+        return worst
+
+    def settle(self, held: float, billed_usd: float) -> None:
+        """Replace a hold by what the hand-off billed (0 when it failed)."""
+        self.held_usd -= held
+        self.spent_usd += billed_usd

@@ -1,0 +1,56 @@
+"""The cost ceiling against a live gateway whose upstream is a real llama-server (tokens mode,
+priced in the config): an answer's hand-offs bill at most `max_cost_ratio` times asking the
+upstream directly, escalation hands the rest over in one call, and bad values are a 400."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.conftest import DEMO_KEY, gateway_config, live_gateway
+
+pytestmark = pytest.mark.integration
+
+ASK = [{"role": "user", "content": "List five fruits, one per line."}]
+
+
+@pytest.fixture(scope="module")
+def client(smol_llama_server, tmp_path_factory):
+    config = gateway_config(smol_llama_server, mode="tokens")
+    with live_gateway(config, tmp_path_factory.mktemp("ceiling")) as gateway:
+        yield openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=DEMO_KEY, max_retries=0)
+
+
+def routed(client, n: int = 1, **routing) -> dict:
+    # sampled, so that every hand-off is a call (the continuation cache serves greedy ones for free)
+    answer = client.chat.completions.create(model="routed", messages=ASK, max_tokens=24, temperature=0.7, seed=7, n=n,
+                                            extra_body={"routing": {"policy": "always", **routing}})
+    return answer.usage.model_extra["routing"]
+
+
+def test_every_token_upstream_costs_more_than_asking_directly(client):
+    uncapped = routed(client)  # a call per token re-bills the prompt each time
+    assert uncapped["cost_ratio"] > 3 and uncapped["upstream_calls"] > 3 and not uncapped["escalated"]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_ceiling_of_one_never_bills_more_than_asking_directly(client, n):
+    capped = routed(client, n=n, max_cost_ratio=1.0)
+    assert 0 < capped["cost_ratio"] <= 1.0 and "cost_ceiling" in capped["degraded"]
+    assert capped["local_tokens"] > 0 and capped["upstream_calls"] >= 1
+
+
+def test_escalation_hands_the_rest_to_the_upstream_once(client):
+    escalated = routed(client, max_cost_ratio=1.0, on_ceiling="escalate")
+    assert escalated["escalated"] and escalated["local_tokens"] == 0
+    assert escalated["upstream_calls"] == 2  # the first hand-off, then the rest in one call
+
+
+@pytest.mark.parametrize(("routing", "param"), [
+    ({"max_cost_ratio": 0}, "routing.max_cost_ratio"), ({"max_cost_ratio": "cheap"}, "routing.max_cost_ratio"),
+    ({"on_ceiling": "panic"}, "routing.on_ceiling"),
+])
+def test_bad_values_are_a_400_naming_the_field(client, routing, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="routed", messages=ASK, max_tokens=4, extra_body={"routing": routing})
+    assert caught.value.body["param"] == param
