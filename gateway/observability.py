@@ -36,6 +36,7 @@ from prometheus_client.core import GaugeMetricFamily
 from adapters.pricing import Prices
 from adapters.upstream import Continuation, Handoff, Upstream
 from gateway.api.errors import GatewayError, Unauthenticated
+from gateway.decoding.cost_ceiling import cost_ratio
 
 log = logging.getLogger("gateway.requests")
 router = APIRouter()
@@ -95,6 +96,13 @@ class Metrics:
                                         "Upstreams' own prompt + generation time, where they report it.",
                                         ["alias"], registry=r)
         self.upstream_cost = Counter("gateway_upstream_cost_usd", "Upstream cost in USD.", ["alias"], registry=r)
+        self.cost_ratio = Histogram("gateway_cost_ratio",
+                                    "Token-level answers' upstream cost over asking the upstream directly (usage.routing"
+                                    ".cost_ratio), where the upstream is priced.", ["alias"], registry=r,
+                                    buckets=(0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0, float("inf")))
+        self.escalated = Counter("gateway_escalated_requests",
+                                 "Answers whose rest the upstream wrote in one call at the cost ceiling.", ["alias"],
+                                 registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -301,6 +309,11 @@ def _count_answer(record: RequestRecord, admitted: Any) -> None:
             metrics.tokens.labels(alias, source).inc(count)
     for reason in degraded:
         metrics.degraded.labels(alias, reason).inc()
+    if any(decoding.usage.escalated for decoding in admitted.decodings):
+        metrics.escalated.labels(alias).inc()
+    ratio = cost_ratio(admitted.decodings)
+    if ratio is not None:
+        metrics.cost_ratio.labels(alias).observe(ratio)
     record.summary = {"finish_reason": admitted.decodings[0].finish_reason, "tokens": counts,
                       "upstream_calls": sum(d.usage.upstream_calls for d in admitted.decodings), "degraded": degraded}
 

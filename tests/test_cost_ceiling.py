@@ -4,10 +4,11 @@ upstream directly, escalation hands the rest over in one call, and bad values ar
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
-from tests.conftest import DEMO_KEY, gateway_config, live_gateway
+from tests.conftest import ADMIN_KEY, DEMO_KEY, gateway_config, live_gateway
 
 pytestmark = pytest.mark.integration
 
@@ -15,10 +16,15 @@ ASK = [{"role": "user", "content": "List five fruits, one per line."}]
 
 
 @pytest.fixture(scope="module")
-def client(smol_llama_server, tmp_path_factory):
+def gateway(smol_llama_server, tmp_path_factory):
     config = gateway_config(smol_llama_server, mode="tokens")
-    with live_gateway(config, tmp_path_factory.mktemp("ceiling")) as gateway:
-        yield openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=DEMO_KEY, max_retries=0)
+    with live_gateway(config, tmp_path_factory.mktemp("ceiling")) as running:
+        yield running
+
+
+@pytest.fixture
+def client(gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=DEMO_KEY, max_retries=0)
 
 
 def routed(client, n: int = 1, **routing) -> dict:
@@ -40,10 +46,14 @@ def test_a_ceiling_of_one_never_bills_more_than_asking_directly(client, n):
     assert capped["local_tokens"] > 0 and capped["upstream_calls"] >= 1
 
 
-def test_escalation_hands_the_rest_to_the_upstream_once(client):
+def test_escalation_hands_the_rest_to_the_upstream_once(gateway, client):
     escalated = routed(client, max_cost_ratio=1.0, on_ceiling="escalate")
     assert escalated["escalated"] and escalated["local_tokens"] == 0
     assert escalated["upstream_calls"] == 2  # the first hand-off, then the rest in one call
+    metrics = httpx.get(f"{gateway.base_url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
+    assert 'gateway_escalated_requests_total{alias="routed"}' in metrics
+    assert 'gateway_cost_ratio_count{alias="routed"}' in metrics
+    assert 'gateway_degraded_requests_total{alias="routed",reason="cost_ceiling"}' in metrics
 
 
 @pytest.mark.parametrize(("routing", "param"), [

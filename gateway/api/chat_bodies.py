@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.admission.chat import Admitted
+from gateway.decoding.cost_ceiling import cost_ratio
 from gateway.decoding.decoder import Piece, TokenLogprob
 
 
@@ -32,19 +33,11 @@ def usage_of(admitted: Admitted) -> dict[str, Any]:
             "upstream_cached_tokens": sum(u.upstream_cached_tokens for u in usages),
             "upstream_compute_ms": round(sum(u.upstream_compute_ms for u in usages), 1),
             "upstream_cost_usd": round(sum(u.upstream_cost_usd for u in usages), 8),
-            "cost_ratio": _cost_ratio(decodings, sum(u.upstream_cost_usd for u in usages)),
+            "cost_ratio": cost_ratio(decodings),
             "escalated": any(u.escalated for u in usages),
             "degraded": list(dict.fromkeys(reason for u in usages for reason in u.degraded)),
         },
     }
-
-
-def _cost_ratio(decodings: list, billed_usd: float) -> float | None:
-    """What the hand-offs billed over what asking the upstream directly for the same answers
-    would cost (each prompt once, at the upstream's prices); None without an upstream or a price."""
-    ceilings = {id(d.request.ceiling): d.request.ceiling for d in decodings if d.request.ceiling}
-    direct = sum(c.direct_usd() for c in ceilings.values())
-    return round(billed_usd / direct, 4) if direct > 0 else None
 
 
 def routing_header(admitted: Admitted) -> str:

@@ -11,7 +11,9 @@ ceiling holds whatever the provider's cache does. One ceiling is shared by a req
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from adapters.pricing import Prices
 
@@ -46,3 +48,13 @@ class CostCeiling:
         """Replace a hold by what the hand-off billed (0 when it failed)."""
         self.held_usd -= held
         self.spent_usd += billed_usd
+
+
+def cost_ratio(decodings: Sequence[Any]) -> float | None:
+    """What a request's hand-offs billed over what asking the upstream directly for the same
+    answers would cost (each prompt once, at the upstream's prices); None without an upstream or
+    a price. `decodings` are the request's Decodings (each with `.request.ceiling` and `.usage`)."""
+    ceilings = {id(d.request.ceiling): d.request.ceiling for d in decodings if d.request.ceiling}
+    direct = sum(c.direct_usd() for c in ceilings.values())
+    billed = sum(d.usage.upstream_cost_usd for d in decodings)
+    return round(billed / direct, 4) if direct > 0 else None
