@@ -69,17 +69,20 @@ class TenantSlots:
     POLL_S = 0.05  # how often a call waiting for a slot asks again (another replica may free one)
 
     def __init__(self, count: int, erase: Callable[[int], Awaitable[None]], store: Store, server: str,
-                 hold_s: float) -> None:
-        self._count, self._erase, self._store, self._server, self._hold_s = count, erase, store, server, hold_s
+                 hold_s: float, wait_s: float | None = None) -> None:
+        self._count, self._erase, self._store, self._server = count, erase, store, server
+        self._hold_s, self._wait_s = hold_s, hold_s if wait_s is None else wait_s
         self._freed = asyncio.Condition()
+        self._unreleased: list[tuple[SlotLease, bool]] = []  # releases the store missed, retried before a lease
 
     @classmethod
     def of_server(cls, api_base: str, count: int, timeout_s: float, store: Store, hold_s: float) -> "TenantSlots":
         """Slots of the llama-server at `api_base` (its /v1 URL), erased with its slot action; a
-        call holds one for at most `hold_s` (then it is free again, should its process have died)."""
+        call holds one for at most `hold_s` (then it is free again, should its process have died)
+        and waits for one at most a call's time-out (`timeout_s`; then it is decoded locally)."""
         root = server_root(api_base)
         server = hashlib.sha256(root.encode("utf-8")).hexdigest()[:16]
-        return cls(count, lambda slot: erase_slot(root, slot, timeout_s), store, server, hold_s)
+        return cls(count, lambda slot: erase_slot(root, slot, timeout_s), store, server, hold_s, timeout_s)
 
     @contextlib.asynccontextmanager
     async def lease(self, scope: str, key: str) -> AsyncIterator[dict[str, Any]]:
@@ -94,10 +97,11 @@ class TenantSlots:
             await asyncio.shield(self._free(held, erased))
 
     async def _hold(self, scope: str, key: str) -> SlotLease:
-        """A slot for this call, waiting (up to `hold_s`) while every slot is held."""
-        deadline = time.monotonic() + self._hold_s
+        """A slot for this call, waiting (up to `wait_s`) while every slot is held."""
+        deadline = time.monotonic() + self._wait_s
         while True:
             try:
+                await self._release_missed()
                 held = await self._store.slot_lease(self._server, self._count, scope, key, self._hold_s)
             except StoreUnavailable as exc:  # no one can say whose prompts a slot holds
                 raise UpstreamUnavailable(f"the upstream's slot leases are unreachable ({exc})") from exc
@@ -110,7 +114,15 @@ class TenantSlots:
                     await asyncio.wait_for(self._freed.wait(), self.POLL_S)
 
     async def _free(self, held: SlotLease, erased: bool) -> None:
-        with contextlib.suppress(StoreUnavailable):  # the lease then runs out by itself
-            await self._store.slot_release(self._server, held, erased)
+        self._unreleased.append((held, erased))
+        with contextlib.suppress(StoreUnavailable):  # retried before the next lease: else the slot
+            await self._release_missed()            # would stay held for the whole hold_s
         async with self._freed:
             self._freed.notify_all()
+
+    async def _release_missed(self) -> None:
+        """Give back the leases whose release the store missed (StoreUnavailable if it still does)."""
+        for missed in list(self._unreleased):
+            await self._store.slot_release(self._server, *missed)
+            with contextlib.suppress(ValueError):  # another task gave it back meanwhile
+                self._unreleased.remove(missed)

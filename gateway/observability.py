@@ -97,8 +97,8 @@ class Metrics:
                                         ["alias"], registry=r)
         self.upstream_cost = Counter("gateway_upstream_cost_usd", "Upstream cost in USD.", ["alias"], registry=r)
         self.cost_ratio = Histogram("gateway_cost_ratio",
-                                    "Token-level answers' upstream cost over asking the upstream directly (usage.routing"
-                                    ".cost_ratio), where the upstream is priced.", ["alias"], registry=r,
+                                    "Token-level answers' upstream cost over asking the upstream directly "
+                                    "(usage.routing.cost_ratio), where the upstream is priced.", ["alias"], registry=r,
                                     buckets=(0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0, float("inf")))
         self.escalated = Counter("gateway_escalated_requests",
                                  "Answers whose rest the upstream wrote in one call at the cost ceiling.", ["alias"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from adapters.cache_isolation import TenantSlots
 from adapters.chat_template import ZERO_WIDTH_SPACE, neutralize
-from adapters.store import MemoryStore
+from adapters.store import MemoryStore, StoreUnavailable
 from gateway.admission.passthrough import blocker_of, check_tools, upstream_params
 from gateway.api.errors import QUOTE_CHARS, GatewayError, InvalidRequest
 from gateway.api.request_body import parse_json_body
@@ -264,3 +265,29 @@ def test_client_metadata_goes_to_the_provider_as_data_never_as_litellms_own(monk
     assert "metadata" not in sent[0] and sent[0]["extra_body"] == {"metadata": {"ticket": "T-1"}}
     assert sent[0]["user"] == "u" and "metadata" not in sent[0]["allowed_openai_params"]
     assert params["metadata"] == {"ticket": "T-1"}  # the caller's params are left as they were
+
+
+def test_a_slot_release_the_store_missed_is_retried_before_the_next_lease():
+    class Outage(MemoryStore):
+        down = False
+
+        async def slot_release(self, server, lease, erased=True):
+            if self.down:
+                raise StoreUnavailable("Redis is restarting")
+            await super().slot_release(server, lease, erased)
+
+    async def erase(slot: int) -> None:
+        return None
+
+    async def scenario() -> float:
+        store = Outage()
+        slots = TenantSlots(1, erase, store, "srv", hold_s=60, wait_s=2)
+        async with slots.lease("a", "r1"):
+            store.down = True  # the store is unreachable as the call ends
+        store.down = False
+        started = time.monotonic()
+        async with slots.lease("b", "r2") as fields:  # the only slot: free again, not held for 60 s
+            assert fields == {"id_slot": 0}
+        return time.monotonic() - started
+
+    assert run(scenario()) < 1.0

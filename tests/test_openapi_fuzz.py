@@ -67,6 +67,10 @@ def fuzz_gateway_config(upstream_base: str) -> dict:
     config["upstreams"]["up"]["kind"] = "llama-server"  # its parser's needs (adapters/message_shapes.py)
     # short answers: the gateway's own schema allows max_tokens up to the limit, and none means the default
     config["server"].update(default_max_tokens=8, max_tokens_limit=16, docs=True)  # docs: its /openapi.json
+    # a body passed through with a huge max_tokens has the upstream write up to its context: on a
+    # busy machine longer than the fuzzer waits; the gateway gives up first (a 502 upstream_unavailable),
+    # and such time-outs must not open the breaker (every later pass-through would be a 503)
+    config["upstreams"]["up"].update(passthrough_timeout_s=REQUEST_TIMEOUT_S / 2, breaker_failures=1000)
     return config
 
 
