@@ -119,6 +119,18 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--costs-plot", type=Path, help="write cost per correct answer against accuracy here (PNG)")
     report.add_argument("--title", default=None)
     report.set_defaults(command=_report)
+
+    costs = commands.add_parser("costs", help="re-price a run's records on price sheets, per correct answer")
+    _where(costs)
+    costs.add_argument("--sheet", action="append", required=True,
+                       help="a built-in sheet (deepseek, frontier-openai, frontier-anthropic, self-hosted) or a "
+                            "YAML/JSON file of eval.costs.PriceSheet fields; repeat for several")
+    costs.add_argument("--rows", help="only these dataset rows, e.g. 0:200")
+    costs.add_argument("--configs", nargs="*", default=[], help="only these configs (default all)")
+    costs.add_argument("--baseline", default="upstream", help="the config every cost is compared with")
+    costs.add_argument("--shared-prefix", type=int, default=0,
+                       help="model every question behind one cached system prompt of this many tokens")
+    costs.set_defaults(command=_costs)
     return parser
 
 
@@ -445,6 +457,21 @@ def _report(args: argparse.Namespace) -> int:
         if args.costs_plot:
             cost_plot(records, args.costs_plot, title)
             print(f"plot: {args.costs_plot}")
+    return 0
+
+
+def _costs(args: argparse.Namespace) -> int:
+    from eval.costs import load_sheet, repriced_table
+    from eval.report import load
+
+    configs = load(args.runs_dir / args.run_name, args.dataset, parse_rows(args.rows), args.configs)
+    if not configs:
+        raise ValueError(f"no records for {args.dataset} in {args.runs_dir / args.run_name}")
+    sheets = [load_sheet(spec) for spec in args.sheet]
+    for sheet in sheets:
+        print(f"- {sheet.name}: {sheet.source or sheet}")
+    records = {name: found for name, (_, found) in configs.items()}
+    print("\n" + repriced_table(records, sheets, args.baseline, args.shared_prefix), end="")
     return 0
 
 

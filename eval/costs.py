@@ -1,29 +1,123 @@
-"""What each configuration's answers cost under three price sheets, per correct answer.
+"""What each configuration's answers cost on a price sheet, per correct answer.
 
-- self-hosted: the upstream's own compute time (prompt + generation ms, as llama-server reports
-  it), since a self-hosted upstream costs the machine time it spends.
-- cache discount: DeepSeek's published list prices (USD per million tokens: cache miss 0.28,
-  cache hit 0.028, output 0.42), applied to the upstream's own billed counts.
-- no cache: the same list prices with every prompt token at the miss price, as on a provider
-  whose cache does not apply (OpenAI's starts at 1,024-token prompts; these are far shorter).
+Records keep what the upstream billed (prompt, cached and completion tokens, calls, compute time),
+so any run can be re-priced on any sheet without decoding again: `python -m eval costs --sheet
+NAME_OR_FILE ...` (built-in sheets in SHEETS_BY_NAME, or a YAML/JSON file of PriceSheet's fields),
+against the upstream-only config of the same run. `report --costs` prints the older three-column
+view: self-hosted compute, DeepSeek's list prices with its cache ("cache discount"), and the same
+prices with every prompt token at the miss price ("no cache").
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SHEETS = {"cache discount": (0.28, 0.028, 0.42), "no cache": (0.28, 0.28, 0.42)}  # miss, hit, output per Mtok
+import yaml
+
+
+@dataclass(frozen=True)
+class PriceSheet:
+    """A provider's prices in USD per million tokens, and when its prompt cache applies.
+
+    `cache_min_prompt_tokens`: a call whose prompt is shorter is never cached (OpenAI and
+    Anthropic: 1,024; DeepSeek: 64; a self-hosted server: 0); `cache_write`: what a prompt token
+    written to the cache costs (Anthropic: 1.25x input; None: the input price);
+    `compute_usd_per_hour`: a self-hosted upstream's machine, priced by its compute time instead of
+    tokens (the other prices are then 0)."""
+
+    name: str
+    input: float = 0.0
+    cached_read: float = 0.0
+    output: float = 0.0
+    cache_write: float | None = None
+    cache_min_prompt_tokens: float = 0
+    compute_usd_per_hour: float | None = None
+    source: str = ""
+
+    def usd(self, record: dict[str, Any], shared_prefix: int = 0) -> float:
+        """What one answer's upstream calls cost on this sheet, from its billed counts.
+
+        Records hold per-answer sums: a call's prompt is taken as their mean (whether the cache
+        applies is decided on it). `shared_prefix` models every question behind one system prompt
+        of that many tokens (each call's prompt grows by it, and where the cache applies it is read
+        from the cache: the same prefix for every request, written once)."""
+        if self.compute_usd_per_hour is not None:
+            return record.get("upstream_compute_ms", 0.0) / 3.6e6 * self.compute_usd_per_hour
+        if not record["upstream_calls"] and not record["upstream_prompt_tokens"]:
+            return 0.0  # answered locally: no call, nothing billed
+        calls = max(1, record["upstream_calls"])  # a warm-up is billed without counting as a hand-off
+        prompt = record["upstream_prompt_tokens"] + shared_prefix * calls
+        cached = record.get("upstream_cached_tokens", 0) + shared_prefix * calls
+        if prompt / calls < self.cache_min_prompt_tokens:
+            cached = 0
+        fresh_price = self.input if self.cache_write is None or cached == 0 else self.cache_write
+        return ((prompt - cached) * fresh_price + cached * self.cached_read
+                + record["upstream_completion_tokens"] * self.output) / 1e6
+
+
+SHEETS_BY_NAME = {sheet.name: sheet for sheet in (
+    PriceSheet("deepseek", 0.28, 0.028, 0.42, cache_min_prompt_tokens=64,
+               source="DeepSeek's published list prices (cache miss, hit, output); caching from 64 tokens"),
+    PriceSheet("frontier-openai", 1.25, 0.125, 10.0, cache_min_prompt_tokens=1024,
+               source="an OpenAI-class frontier sheet: output 8x input, cached reads 0.1x, caching from 1,024 tokens"),
+    PriceSheet("frontier-anthropic", 3.0, 0.3, 15.0, cache_write=3.75, cache_min_prompt_tokens=1024,
+               source="an Anthropic-class sheet: output 5x input, cache writes 1.25x, reads 0.1x, from 1,024 tokens"),
+    PriceSheet("self-hosted", compute_usd_per_hour=2.0,
+               source="a self-hosted upstream: its compute time (prompt + generation ms) at USD 2 an hour"),
+)}
+# report --costs: DeepSeek's list prices with its cache, and as on a provider whose cache does not apply
+SHEETS = {"cache discount": dataclasses.replace(SHEETS_BY_NAME["deepseek"], name="cache discount",
+                                                cache_min_prompt_tokens=0),
+          "no cache": dataclasses.replace(SHEETS_BY_NAME["deepseek"], name="no cache", cache_min_prompt_tokens=math.inf)}
+
+
+def load_sheet(spec: str) -> PriceSheet:
+    """A built-in sheet by name, or one from a YAML or JSON file with PriceSheet's fields."""
+    if spec in SHEETS_BY_NAME:
+        return SHEETS_BY_NAME[spec]
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(f"no price sheet {spec!r}: name one of {', '.join(SHEETS_BY_NAME)} or give a file")
+    fields = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+    return PriceSheet(**{"name": path.stem, **fields})
 
 
 def usd(records: Sequence[dict[str, Any]], sheet: str) -> float:
-    miss, hit, output = SHEETS[sheet]
-    total = 0.0
-    for r in records:
-        cached = r.get("upstream_cached_tokens", 0)
-        total += (r["upstream_prompt_tokens"] - cached) * miss + cached * hit + r["upstream_completion_tokens"] * output
-    return total / 1e6
+    return sum(SHEETS[sheet].usd(r) for r in records)
+
+
+def repriced_table(configs: dict[str, list[dict[str, Any]]], sheets: Sequence[PriceSheet], baseline: str = "upstream",
+                   shared_prefix: int = 0) -> str:
+    """Markdown: per config, accuracy, calls per question and, on each sheet, USD per 1,000 correct
+    answers and its ratio to the `baseline` config's (asking the upstream for every answer)."""
+    header = "| config | n | accuracy | calls / q | " + " | ".join(f"{s.name}: USD / 1k correct (x {baseline})"
+                                                                  for s in sheets) + " |"
+    lines = [header, "|" + "---|" * (4 + len(sheets))]
+    per_correct = {name: {s.name: _per_1k_correct(records, s, shared_prefix) for s in sheets}
+                   for name, records in configs.items() if records}
+    for name, records in configs.items():
+        if not records:
+            continue
+        n, correct = len(records), sum(1 for r in records if r["correct"])
+        cells = []
+        for sheet in sheets:
+            cost, base = per_correct[name][sheet.name], per_correct.get(baseline, {}).get(sheet.name)
+            ratio = f" ({cost / base:.2f}x)" if base and math.isfinite(cost) and math.isfinite(base) else ""
+            cells.append(f"{cost:.3f}{ratio}")
+        lines.append(f"| {name} | {n} | {correct / n:.1%} | {sum(r['upstream_calls'] for r in records) / n:.2f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _per_1k_correct(records: Sequence[dict[str, Any]], sheet: PriceSheet, shared_prefix: int) -> float:
+    correct = sum(1 for r in records if r["correct"])
+    return 1000 * sum(sheet.usd(r, shared_prefix) for r in records) / correct if correct else math.inf
 
 
 def cost_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
