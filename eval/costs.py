@@ -74,7 +74,8 @@ SHEETS_BY_NAME = {sheet.name: sheet for sheet in (
 # report --costs: DeepSeek's list prices with its cache, and as on a provider whose cache does not apply
 SHEETS = {"cache discount": dataclasses.replace(SHEETS_BY_NAME["deepseek"], name="cache discount",
                                                 cache_min_prompt_tokens=0),
-          "no cache": dataclasses.replace(SHEETS_BY_NAME["deepseek"], name="no cache", cache_min_prompt_tokens=math.inf)}
+          "no cache": dataclasses.replace(SHEETS_BY_NAME["deepseek"], name="no cache",
+                                          cache_min_prompt_tokens=math.inf)}
 
 
 def load_sheet(spec: str) -> PriceSheet:
