@@ -20,6 +20,15 @@ class Prices(NamedTuple):
     cached_input: float
     output: float
     cache_write: float | None = None  # None: a cache write costs the input price
+    cache_min_prompt_tokens: int = 0  # a shorter prompt is never cached by the provider
+
+    def predicted(self, prompt_tokens: int, completion_tokens: int, reusable_tokens: int) -> float:
+        """What a call is expected to bill when `reusable_tokens` of its prompt were in an earlier
+        call of the same request (read from the cache if the prompt reaches the provider's
+        minimum; the rest written to it where that has a price)."""
+        cached = reusable_tokens if prompt_tokens >= self.cache_min_prompt_tokens else 0
+        fresh = self.input if self.cache_write is None or cached == 0 else self.cache_write
+        return (prompt_tokens - cached) * fresh + cached * self.cached_input + completion_tokens * self.output
 
     def worst_case(self, prompt_tokens: int, completion_tokens: int) -> float:
         """The most a call of this size can bill: no prompt token read from a cache, every one
@@ -37,7 +46,8 @@ class Prices(NamedTuple):
 
     @classmethod
     def of(cls, model: str, input_usd_per_mtok: float | None = None, output_usd_per_mtok: float | None = None,
-           cached_input_usd_per_mtok: float | None = None, cache_write_usd_per_mtok: float | None = None) -> "Prices":
+           cached_input_usd_per_mtok: float | None = None, cache_write_usd_per_mtok: float | None = None,
+           cache_min_prompt_tokens: int | None = None) -> "Prices":
         """The configured prices (per million tokens), else litellm's map for `model`, else 0.
         Cached input without a known price costs the full input price: a discount nobody stated is
         never assumed; a cache write without one costs the input price."""
@@ -56,4 +66,20 @@ class Prices(NamedTuple):
             known_cached = cached_input_usd_per_mtok / 1e6
         if cache_write_usd_per_mtok is not None:
             known_write = cache_write_usd_per_mtok / 1e6
-        return cls(fresh, fresh if known_cached is None else known_cached, output, known_write)
+        if cache_min_prompt_tokens is None:
+            cache_min_prompt_tokens = cache_minimum_of(model)
+        return cls(fresh, fresh if known_cached is None else known_cached, output, known_write, cache_min_prompt_tokens)
+
+
+# The shortest prompt each provider caches, as its documentation states it: OpenAI's prompt caching
+# and Anthropic's (Claude Sonnet/Opus; Haiku models need 2,048) from 1,024 tokens; DeepSeek's
+# context caching in 64-token units from the first unit; self-hosted servers cache any prefix.
+CACHE_MINIMUMS = {"openai/": 1024, "gpt-": 1024, "azure/": 1024, "anthropic/": 1024, "claude": 1024,
+                  "deepseek": 64}
+
+
+def cache_minimum_of(model: str) -> int:
+    """The provider's minimum cacheable prompt for a litellm model name (0: any prefix)."""
+    if model.startswith("text-completion-openai/"):  # an OpenAI-compatible server: self-hosted
+        return 0
+    return next((tokens for prefix, tokens in CACHE_MINIMUMS.items() if model.startswith(prefix)), 0)

@@ -156,7 +156,7 @@ class Upstream:
         """USD per token (adapters.pricing): the configured prices, else litellm's map, else 0."""
         s = self.settings
         return Prices.of(s.model, s.input_usd_per_mtok, s.output_usd_per_mtok, s.cached_input_usd_per_mtok,
-                         s.cache_write_usd_per_mtok)
+                         s.cache_write_usd_per_mtok, s.cache_min_prompt_tokens)
 
     def billed_usage(self, response: Any) -> CallUsage:
         """What a response (or a streamed chunk) billed, as the client may see it: with a cache that

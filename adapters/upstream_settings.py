@@ -70,6 +70,10 @@ class UpstreamSettings(Strict):
         None, ge=0, description="Price per million prompt tokens written to the provider's cache (Anthropic-class: "
         "1.25x input; else litellm's cache_creation_input_token_cost, else the input price). A cost ceiling "
         "(routing.max_cost_ratio) counts every prompt token of a hand-off at the higher of the two.")
+    cache_min_prompt_tokens: int | None = Field(
+        None, ge=0, description="The shortest prompt the provider caches (OpenAI, Anthropic: 1,024; DeepSeek: 64; "
+        "self-hosted: 0); default: by the model name's provider, 0 for text-completion-openai/ servers. Used to "
+        "predict what a hand-off bills (gateway_handoff_cost_prediction metric).")
     warm: bool = Field(
         False, description="tokens mode: send the prompt (no answer) when a routed request starts, so the "
         "upstream's cache holds it by the first hand-off.")

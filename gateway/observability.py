@@ -100,6 +100,11 @@ class Metrics:
                                     "Token-level answers' upstream cost over asking the upstream directly "
                                     "(usage.routing.cost_ratio), where the upstream is priced.", ["alias"], registry=r,
                                     buckets=(0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0, float("inf")))
+        self.cost_prediction = Histogram("gateway_handoff_cost_prediction",
+                                         "Per answer: what its hand-offs billed over what the decoder predicted before "
+                                         "each call (price sheet, provider cache minimum, prefix reuse); 1 is exact.",
+                                         ["alias"], registry=r,
+                                         buckets=(0.5, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 2.0, float("inf")))
         self.escalated = Counter("gateway_escalated_requests",
                                  "Answers whose rest the upstream wrote in one call at the cost ceiling.", ["alias"],
                                  registry=r)
@@ -314,6 +319,10 @@ def _count_answer(record: RequestRecord, admitted: Any) -> None:
     ratio = cost_ratio(admitted.decodings)
     if ratio is not None:
         metrics.cost_ratio.labels(alias).observe(ratio)
+    predicted = sum(d.usage.predicted_cost_usd for d in admitted.decodings)
+    if predicted > 0:
+        metrics.cost_prediction.labels(alias).observe(sum(d.usage.upstream_cost_usd for d in admitted.decodings)
+                                                       / predicted)
     record.summary = {"finish_reason": admitted.decodings[0].finish_reason, "tokens": counts,
                       "upstream_calls": sum(d.usage.upstream_calls for d in admitted.decodings), "degraded": degraded}
 

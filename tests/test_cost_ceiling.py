@@ -37,6 +37,8 @@ def routed(client, n: int = 1, **routing) -> dict:
 def test_every_token_upstream_costs_more_than_asking_directly(client):
     uncapped = routed(client)  # a call per token re-bills the prompt each time
     assert uncapped["cost_ratio"] > 3 and uncapped["upstream_calls"] > 3 and not uncapped["escalated"]
+    # predicted before each call from the prices and the request's own prefix, which llama-server reuses
+    assert 0.5 < uncapped["upstream_cost_usd"] / uncapped["upstream_predicted_cost_usd"] < 2
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -53,6 +55,7 @@ def test_escalation_hands_the_rest_to_the_upstream_once(gateway, client):
     metrics = httpx.get(f"{gateway.base_url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
     assert 'gateway_escalated_requests_total{alias="routed"}' in metrics
     assert 'gateway_cost_ratio_count{alias="routed"}' in metrics
+    assert 'gateway_handoff_cost_prediction_count{alias="routed"}' in metrics
     assert 'gateway_degraded_requests_total{alias="routed",reason="cost_ceiling"}' in metrics
 
 

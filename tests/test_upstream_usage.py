@@ -62,8 +62,8 @@ def test_cached_tokens_cost_the_configured_cached_price():
 
 
 def test_cached_tokens_cost_litellms_cached_price_when_it_knows_one():
-    fresh, cached, output, _ = upstream(model="deepseek/deepseek-chat").prices
-    assert cached < fresh and cached > 0 and output > 0  # DeepSeek's published hit price is a tenth of a miss
+    prices = upstream(model="deepseek/deepseek-chat").prices
+    assert 0 < prices.cached_input < prices.input and prices.output > 0  # DeepSeek's hit price: a tenth of a miss
 
 
 def test_cache_writes_cost_litellms_write_price_or_the_configured_one():
@@ -79,7 +79,23 @@ def test_cache_writes_cost_litellms_write_price_or_the_configured_one():
 def test_no_discount_is_assumed_when_no_cached_price_is_known():
     priced = upstream(model="openai/x", input_usd_per_mtok=1.0, output_usd_per_mtok=2.0)
     assert priced.estimate_cost(1000, 0, cached_tokens=800) == priced.estimate_cost(1000, 0)
-    assert upstream(model="openai/not-a-mapped-model").prices == (0.0, 0.0, 0.0, None)
+    unmapped = upstream(model="openai/not-a-mapped-model").prices
+    assert (unmapped.input, unmapped.cached_input, unmapped.output, unmapped.cache_write) == (0.0, 0.0, 0.0, None)
+
+
+@pytest.mark.parametrize(("model", "minimum"), [
+    ("openai/gpt-4o", 1024), ("gpt-4o-mini", 1024), ("anthropic/claude-sonnet-4-5", 1024),
+    ("deepseek/deepseek-chat", 64), ("text-completion-openai/qwen", 0), ("hosted_vllm/qwen", 0),
+])
+def test_the_providers_cache_minimum_follows_its_documentation(model, minimum):
+    assert upstream(model=model, input_usd_per_mtok=1.0).prices.cache_min_prompt_tokens == minimum
+
+
+def test_a_prediction_reads_the_previous_calls_prefix_from_the_cache_only_past_the_minimum():
+    prices = upstream(model="openai/x", input_usd_per_mtok=1.0, output_usd_per_mtok=2.0,
+                      cached_input_usd_per_mtok=0.1, cache_min_prompt_tokens=1024).prices
+    assert prices.predicted(1000, 4, reusable_tokens=900) == pytest.approx((1000 * 1.0 + 4 * 2.0) / 1e6)
+    assert prices.predicted(2000, 4, reusable_tokens=1900) == pytest.approx((100 + 1900 * 0.1 + 8) / 1e6)
 
 
 def test_cache_hints_follow_each_providers_documented_form():

@@ -33,6 +33,7 @@ def usage_of(admitted: Admitted) -> dict[str, Any]:
             "upstream_cached_tokens": sum(u.upstream_cached_tokens for u in usages),
             "upstream_compute_ms": round(sum(u.upstream_compute_ms for u in usages), 1),
             "upstream_cost_usd": round(sum(u.upstream_cost_usd for u in usages), 8),
+            "upstream_predicted_cost_usd": round(sum(u.predicted_cost_usd for u in usages), 8),
             "cost_ratio": cost_ratio(decodings),
             "escalated": any(u.escalated for u in usages),
             "degraded": list(dict.fromkeys(reason for u in usages for reason in u.degraded)),

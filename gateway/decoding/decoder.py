@@ -114,6 +114,7 @@ class RoutingUsage:
     upstream_compute_ms: float = 0.0  # the upstream's own prompt + generation time, where it reports it
     upstream_cost_usd: float = 0.0
     escalated: bool = False  # the upstream wrote the rest of the answer in one call (on_ceiling: escalate)
+    predicted_cost_usd: float = 0.0  # what the calls made were expected to bill (prices and prefix reuse)
     degraded: list[str] = field(default_factory=list)
 
     def degrade(self, reason: str) -> None:
@@ -155,6 +156,7 @@ class Decoding:
         if request.ceiling is not None and self._handoff is not None and not request.ceiling.prompt_tokens:
             request.ceiling.prompt_tokens = upstream.estimate_prompt_tokens(self._handoff)
         self._warming: asyncio.Future | None = None  # the warm-up call, until the first hand-off waits for it
+        self._reusable_tokens = 0  # prompt tokens of this request's previous call, which the next one extends
         self._kind_of = self._token_kind if request.policy.detailed_signal else None
         self._grammar: Grammar | None = local.grammar(request.grammar) if request.grammar else None
 
@@ -424,6 +426,7 @@ class Decoding:
             if self.gate.refusal != "store_unavailable":  # that one may answer at the next routed step
                 self._upstream_closed = True
             return None
+        predicted = self.upstream.prices.predicted(estimate - span, span, self._reusable_tokens)
         sampling = self.request.sampling
         try:
             continuation = await self.upstream.continue_text(
@@ -441,6 +444,8 @@ class Decoding:
             await asyncio.shield(self.gate.release(reservation))
             raise
         self.usage.bill(continuation, warm)
+        self.usage.predicted_cost_usd += predicted
+        self._reusable_tokens = continuation.prompt_tokens  # the next call extends this prefix
         await asyncio.shield(self.gate.settle(reservation, Billed(
             continuation.prompt_tokens, continuation.completion_tokens, continuation.cost_usd,
             continuation.cached_tokens, continuation.compute_ms or 0.0)))
