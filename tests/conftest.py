@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import yaml
 
@@ -158,6 +159,10 @@ class LiveGateway:
 
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def client(self, key: str = DEMO_KEY) -> openai.OpenAI:
+        """The openai SDK pointed at this gateway, without retries (a test sees every answer)."""
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=key, max_retries=0)
 
     def close(self) -> None:
         stop(self.process)

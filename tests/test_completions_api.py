@@ -9,7 +9,7 @@ import openai
 import pytest
 from llama_cpp import Llama
 
-from tests.conftest import DEMO_KEY, gateway_config, live_gateway
+from tests.conftest import gateway_config, live_gateway
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,7 @@ def gateway(smol_llama_server, tmp_path_factory):
 
 @pytest.fixture
 def client(gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=DEMO_KEY, max_retries=0)
+    return gateway.client()
 
 
 def complete(client, policy: str = "never", **fields):

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ADMIN_KEY, DEMO_KEY, gateway_config, live_gateway
+from tests.conftest import ADMIN_KEY, gateway_config, live_gateway
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +24,7 @@ def gateway(smol_llama_server, tmp_path_factory):
 
 @pytest.fixture
 def client(gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=DEMO_KEY, max_retries=0)
+    return gateway.client()
 
 
 def routed(client, n: int = 1, **routing) -> dict:

@@ -44,13 +44,9 @@ def gateway(smol_tools_upstream, tmp_path_factory):
         yield running
 
 
-def client_for(gateway, key: str = DEMO_KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0)
-
-
 @pytest.fixture
 def client(gateway) -> openai.OpenAI:
-    return client_for(gateway)
+    return gateway.client()
 
 
 def routing_of(usage) -> dict:
@@ -114,7 +110,7 @@ def test_max_tokens_above_the_local_limit_passes_through(client):
 def test_refusals_name_the_field_and_say_why(gateway, model, key, param, why):
     fields = {"tools": [WEATHER_TOOL], "max_tokens": 8} if param == "tools" else {"max_tokens": LOCAL_LIMIT + 1}
     with pytest.raises(openai.BadRequestError) as caught:
-        client_for(gateway, key).chat.completions.create(model=model, messages=ASK_WEATHER, **fields)
+        gateway.client(key).chat.completions.create(model=model, messages=ASK_WEATHER, **fields)
     assert caught.value.body["param"] == param and why in caught.value.body["message"]
 
 
@@ -122,17 +118,17 @@ def test_image_part_without_an_upstream_is_a_400_naming_the_part(gateway):
     image = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                           {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
     with pytest.raises(openai.BadRequestError) as caught:
-        client_for(gateway).chat.completions.create(model="local", messages=image, max_tokens=8)
+        gateway.client().chat.completions.create(model="local", messages=image, max_tokens=8)
     assert caught.value.body["param"] == "messages[0].content[1]"
 
 
 def test_pass_through_is_budgeted_and_billed(gateway):
     with pytest.raises(openai.RateLimitError) as caught:
-        client_for(gateway, "sk-poor").chat.completions.create(model="routed", messages=ASK_WEATHER,
+        gateway.client("sk-poor").chat.completions.create(model="routed", messages=ASK_WEATHER,
                                                                tools=[WEATHER_TOOL], max_tokens=8)
     assert caught.value.code == "insufficient_quota"
     before = _billed(gateway)
-    answer = client_for(gateway).chat.completions.create(model="routed", messages=ASK_WEATHER, tools=[WEATHER_TOOL],
+    answer = gateway.client().chat.completions.create(model="routed", messages=ASK_WEATHER, tools=[WEATHER_TOOL],
                                                          max_tokens=30, temperature=0)
     assert _billed(gateway) - before == answer.usage.prompt_tokens + answer.usage.completion_tokens
     metrics = httpx.get(f"{gateway.base_url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text

@@ -123,7 +123,7 @@ def isolated_replicas(smol_path, redis_url, tmp_path_factory):
 
 
 def cached_on_first_handoff(gateway, key: str) -> int:
-    client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0)
+    client = gateway.client(key)
     # sampled, so that the continuation cache (greedy hand-offs only) does not answer instead
     answer = client.chat.completions.create(model="routed", messages=LONG_ASK, max_tokens=1, temperature=0.7, seed=1,
                                             extra_body={"routing": {"policy": "always"}})

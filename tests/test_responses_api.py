@@ -39,13 +39,9 @@ def gateway(smol_tools_upstream, tmp_path_factory):
         yield running
 
 
-def client_for(gateway, key: str = DEMO_KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0)
-
-
 @pytest.fixture
 def client(gateway) -> openai.OpenAI:
-    return client_for(gateway)
+    return gateway.client()
 
 
 def test_a_text_response_is_routed_token_by_token(client):
@@ -98,7 +94,7 @@ def test_previous_response_id_continues_the_conversation(client):
 
 def test_stored_responses_belong_to_their_tenant(gateway, client):
     response = client.responses.create(model="routed", input="Hi", max_output_tokens=4, temperature=0)
-    other = client_for(gateway, OTHER_KEY)
+    other = gateway.client(OTHER_KEY)
     for attempt in (lambda: other.responses.retrieve(response.id), lambda: other.responses.delete(response.id),
                     lambda: other.responses.create(model="routed", input="Go on", previous_response_id=response.id,
                                                    max_output_tokens=4)):
@@ -154,7 +150,7 @@ def test_errors_are_openai_shaped_and_name_the_field(gateway, client):
                        json={"model": "routed", "input": "Hi", "bogus": 1})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "bogus"
     with pytest.raises(openai.AuthenticationError):
-        client_for(gateway, "sk-wrong").responses.create(model="routed", input="Hi")
+        gateway.client("sk-wrong").responses.create(model="routed", input="Hi")
 
 
 def test_the_openai_agents_sdk_runs_an_agent_with_a_function_tool(gateway):
