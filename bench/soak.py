@@ -10,14 +10,14 @@ Cluster (three masters, each append-only in a directory of its own; gateways get
 true`). Then --replicas gateway processes (`python -m gateway serve`, loopback ports) with SmolLM2
 local, the store under one fresh key prefix, and three tenants: "open" (no budget), "capped" (a
 small daily budget of upstream tokens, `on_budget_exhausted: local`), both with
-`rate_limits.max_parallel`, and "rpm" (`rate_limits.requests_per_minute: 60`, short answers, so
-that it asks for more than that). The upstream: with one replica, a llama-server child the gateway
+`rate_limits.max_parallel`, and "rpm" (`rate_limits.requests_per_minute: 60`; 8 more clients of
+its own asking for 2-6 tokens, so that it asks for more than that). The upstream: with one replica, a llama-server child the gateway
 launches itself (as before); with several, one shared llama-server the soak starts (tenant-isolated
 slots, `kind: llama-server`, `--cache-ram 0 --slot-save-path`, its slots leased through the store):
 on 2 cores one server batching every replica's hand-offs beats a child per replica, and it is the
 layout several replicas are deployed in.
 
-N clients send routed chat completions for the whole run, streaming and not, on varied short
+The clients send routed chat completions for the whole run, streaming and not, on varied short
 prompts with 16-48 answer tokens; a quarter of the requests are abandoned mid-answer (a stream
 closed after a few chunks, or a 0.3 s read time-out). The load generator is the load balancer:
 requests go to the replicas round-robin, and one whose replica refuses the connection is sent once
@@ -104,6 +104,7 @@ class SoakParams:
     budget_tokens: int = 4000  # the capped tenant's daily upstream_tokens
     max_parallel: int = 12
     rpm: int = 60  # the rpm tenant's requests_per_minute
+    rpm_clients: int = 8  # clients of the rpm tenant, besides `clients` (open and capped): enough to pass 60/min
     abandon_share: float = 0.25
     min_tokens: int = 16
     max_tokens: int = 48
@@ -438,7 +439,7 @@ async def run_load(soak: Soak, keys: dict[str, str]) -> Load:
     deadline = started + params.duration_s
     outcomes: list[Outcome] = []
     balancer = Balancer([g.base_url for g in soak.gateways])
-    tenants = [TENANTS[i % len(TENANTS)] for i in range(params.clients)]
+    tenants = [(OPEN, CAPPED)[i % 2] for i in range(params.clients)] + [RPM] * params.rpm_clients
     clients = [client_loop(i, params, balancer, tenant, keys[tenant], started, deadline, outcomes)
                for i, tenant in enumerate(tenants)]
     *_, underneath, faults = await asyncio.gather(*clients, sample(soak, started, deadline, outcomes),
@@ -733,7 +734,7 @@ def checks(report: Report, params: SoakParams) -> list[Check]:
 def print_report(report: Report) -> None:
     p, r, books, faults = report.params, report.requests, report.books, report.faults
     print(f"soak: {report.seconds:.0f} s, {p['replicas']} replica(s) on {'a Redis Cluster' if p['cluster'] else 'one Redis'}, "
-          f"{p['clients']} clients, upstream {p['upstream_model']}, capped budget {p['budget_tokens']} tokens; "
+          f"{p['clients']} + {p['rpm_clients']} rpm clients, upstream {p['upstream_model']}, capped budget {p['budget_tokens']} tokens; "
           f"work directory {report.workdir}")
     print(f"requests  {r['total']} sent: {r.get(OK, 0)} ok, {r.get(ABANDONED, 0)} abandoned, "
           f"{r.get(REFUSED, 0)} refused, {r.get(ERROR, 0)} errors, {r.get(CUT, 0)} cut by the replica kill "
