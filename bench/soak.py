@@ -1,6 +1,6 @@
 """Soak: gateway replicas under steady mixed load, with their upstream, their store and one of them killed.
 
-Run: .venv/bin/python -m bench.soak [--minutes 10] [--clients 16] [--replicas 1] [--cluster] [--kill-replica]
+Run: .venv/bin/python -m bench.soak [--minutes 10] [--clients 16] [--rpm 60] [--replicas 1] [--cluster] [--kill-replica]
                                     [--upstream-model qwen2.5-coder-0.5b-instruct] [--budget-tokens 4000]
                                     [--json PATH]
 
@@ -827,6 +827,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--rpm", type=int, default=SoakParams.rpm,
+                        help="requests_per_minute of the rpm tenant (60; on 2 cores the gateways admit ~30/min of it)")
     parser.add_argument("--replicas", type=int, default=1, help="gateway processes sharing the store")
     parser.add_argument("--cluster", action="store_true", help="the store is a private 3-node Redis Cluster")
     parser.add_argument("--kill-replica", action="store_true", help="SIGKILL the last replica at half the run")
@@ -839,7 +841,7 @@ def main() -> int:
     if args.kill_replica and args.replicas < 2:
         parser.error("--kill-replica needs --replicas 2 or more")
     params = SoakParams(duration_s=args.minutes * 60, clients=args.clients, upstream_model=args.upstream_model,
-                        budget_tokens=args.budget_tokens, replicas=args.replicas, cluster=args.cluster,
+                        budget_tokens=args.budget_tokens, replicas=args.replicas, rpm=args.rpm, cluster=args.cluster,
                         kill_replica=args.kill_replica)
     report = run_soak(params, Path(tempfile.mkdtemp(prefix="soak-")))
     print_report(report)
