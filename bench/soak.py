@@ -610,6 +610,7 @@ class Report:
     seconds: float
     requests: dict[str, int]  # by kind and by stream/plain
     statuses: dict[str, int]  # by HTTP status ("none": no response)
+    statuses_by_tenant: dict[str, dict[str, int]]
     by_replica: dict[str, int]  # requests answered by each replica
     failovers: int
     errors: dict[str, int]  # by detail
@@ -694,6 +695,7 @@ def summarize(params: SoakParams, workdir: Path, load: Load, books: Books) -> Re
         params=dataclasses.asdict(params), workdir=str(workdir), seconds=round(load.seconds, 1),
         requests={"total": len(outcomes), **requests},
         statuses=dict(Counter(str(o.status or "none") for o in outcomes)),
+        statuses_by_tenant={t: dict(Counter(str(o.status or "none") for o in outcomes if o.tenant == t)) for t in TENANTS},
         by_replica={str(i): sum(o.replica == i for o in outcomes) for i in range(params.replicas)},
         failovers=load.failovers,
         errors=dict(Counter(o.detail for o in outcomes if o.kind in (ERROR, CUT)).most_common()),
@@ -768,7 +770,8 @@ def print_report(report: Report) -> None:
           f"({r.get('stream', 0)} streaming, {r.get('plain', 0)} not); the gateways counted {books.counted_by_gateways}")
     print(f"replicas  answered {', '.join(f'r{k}: {v}' for k, v in report.by_replica.items())}; "
           f"{report.failovers} fail-overs")
-    print(f"statuses  {', '.join(f'{k}: {v}' for k, v in sorted(report.statuses.items()))}")
+    print(f"statuses  {', '.join(f'{k}: {v}' for k, v in sorted(report.statuses.items()))}; by tenant "
+          f"{'; '.join(f'{t} ' + ' '.join(f'{k}:{v}' for k, v in sorted(c.items())) for t, c in report.statuses_by_tenant.items())}")
     print(f"degraded  {', '.join(f'{k}: {v}' for k, v in report.degraded.items()) or 'none'}")
     back = "not seen again" if report.upstream_back_at_s is None else f"a new one at {report.upstream_back_at_s} s"
     print(f"faults    upstream pid {faults.upstream_killed_pid} SIGKILLed at {faults.upstream_killed_at_s} s ({back}); "
