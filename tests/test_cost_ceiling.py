@@ -41,9 +41,9 @@ def test_every_token_upstream_costs_more_than_asking_directly(client):
     assert 0.5 < uncapped["upstream_cost_usd"] / uncapped["upstream_predicted_cost_usd"] < 2
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_a_ceiling_of_one_never_bills_more_than_asking_directly(client, n):
-    capped = routed(client, n=n, max_cost_ratio=1.0)
+@pytest.mark.parametrize(("n", "span"), [(1, 1), (2, 1), (1, 4)])
+def test_a_ceiling_of_one_never_bills_more_than_asking_directly(client, n, span):
+    capped = routed(client, n=n, max_cost_ratio=1.0, span=span)
     assert 0 < capped["cost_ratio"] <= 1.0 and "cost_ceiling" in capped["degraded"]
     assert capped["local_tokens"] > 0 and capped["upstream_calls"] >= 1
 
