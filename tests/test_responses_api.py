@@ -13,9 +13,9 @@ import agents
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel, Field
 
 from tests.conftest import DEMO_KEY, gateway_config, live_gateway
+from tests.test_dropin import Capital  # the same pydantic model the chat tests parse into
 
 pytestmark = pytest.mark.integration
 
@@ -23,11 +23,6 @@ OTHER_KEY = "sk-other-tenant"
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Current weather in a city.",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 CALL_WEATHER = {"type": "function", "name": "get_weather"}
-
-
-class Capital(BaseModel):
-    country: str = Field(max_length=24)
-    capital: str = Field(max_length=24)
 
 
 @pytest.fixture(scope="module")

@@ -61,27 +61,37 @@ async def chat_completions(request: Request):
     started = await admit(runtime, tenant, body)
     if body.stream:
         chunks = await open_chunks(runtime, started)
-        return EventSourceResponse(sse_stream(runtime, started, chunks),
-                                   sep="\n", ping=15, headers=summary_headers(started),
-                                   # On SIGTERM, sse-starlette would cut streams at once; the grace period
-                                   # lets them finish. The background task frees the slot even when the
-                                   # client left before the stream started.
-                                   shutdown_grace_period=runtime.settings.server.drain_seconds,
-                                   background=BackgroundTask(started.release, runtime))
+        return event_stream(runtime, started, sse_stream(runtime, started, chunks))
     answer = await whole_answer(request, runtime, started)
     return JSONResponse(answer, headers=summary_headers(started))
 
 
+def event_stream(runtime: Runtime, started: Started, events: AsyncIterator[dict]) -> EventSourceResponse:
+    """The server-sent events response of a started request (chat, Responses, completions)."""
+    # On SIGTERM, sse-starlette would cut streams at once; the grace period lets them finish. The
+    # background task frees the slot even when the client left before the stream started.
+    return EventSourceResponse(events, sep="\n", ping=15, headers=summary_headers(started),
+                               shutdown_grace_period=runtime.settings.server.drain_seconds,
+                               background=BackgroundTask(started.release, runtime))
+
+
 async def whole_answer(request: Request, runtime: Runtime, started: Started) -> dict:
-    """The chat.completion body of a started request; frees its slot however it ends, and stops
+    """The chat.completion body of a started request (see `collected`)."""
+    if isinstance(started, Passing):
+        try:
+            return await unless_client_leaves(request, started.complete())
+        finally:
+            await asyncio.shield(finish(runtime, started))
+    return completion_body(started, await collected(request, runtime, started))
+
+
+async def collected(request: Request, runtime: Runtime, admitted: Admitted) -> list[list[Piece]]:
+    """Each choice's pieces of a token-level request; frees its slot however it ends, and stops
     decoding and upstream spending if the client leaves first."""
     try:
-        if isinstance(started, Passing):
-            return await unless_client_leaves(request, started.complete())
-        pieces = await unless_client_leaves(request, collect(started))
-        return completion_body(started, pieces)
+        return await unless_client_leaves(request, _collect(admitted))
     finally:
-        await asyncio.shield(finish(runtime, started))
+        await asyncio.shield(finish(runtime, admitted))
 
 
 async def open_chunks(runtime: Runtime, started: Started) -> AsyncIterator[dict]:
@@ -124,7 +134,7 @@ def _failure(started: Started) -> str:
     return "internal error while decoding; the gateway logged the details"
 
 
-async def collect(admitted: Admitted) -> list[list[Piece]]:
+async def _collect(admitted: Admitted) -> list[list[Piece]]:
     """Each choice's pieces."""
     pieces: list[list[Piece]] = [[] for _ in admitted.decodings]
     async for index, piece in observability.metered(admitted):

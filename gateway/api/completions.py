@@ -4,19 +4,16 @@ each, with routing, `echo`, `stop`, `logprobs` and streaming as OpenAI has them.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from sse_starlette.sse import EventSourceResponse
-from starlette.background import BackgroundTask
 
 from gateway import observability
 from gateway.admission.chat import Admitted, Prompts, alias_for, start
-from gateway.api.chat_bodies import routing_header, usage_of
-from gateway.api.chat_completions import collect, framed, parse_body, unless_client_leaves
+from gateway.api.chat_bodies import usage_of
+from gateway.api.chat_completions import collected, event_stream, parse_body, sse_stream, summary_headers
 from gateway.api.errors import InvalidRequest
 from gateway.api.routes import authenticate, runtime_of
 from gateway.api.schemas import CompletionRequest
@@ -37,18 +34,11 @@ async def completions(request: Request):
     texts = tuple(prompt_text(alias, prompt, i) for i, prompt in enumerate(body.prompts_raw))
     admitted = await start(runtime, tenant, alias, body, Prompts(texts=texts))
     if body.stream:
-        return EventSourceResponse(framed(_chunks(admitted, texts), admitted.id, "internal error while decoding; the "
-                                          "gateway logged the details", lambda: admitted.release(runtime)),
-                                   sep="\n", ping=15, shutdown_grace_period=runtime.settings.server.drain_seconds,
-                                   background=BackgroundTask(admitted.release, runtime))
-    try:
-        pieces = await unless_client_leaves(request, collect(admitted))
-    finally:
-        await asyncio.shield(admitted.release(runtime))
+        return event_stream(runtime, admitted, sse_stream(runtime, admitted, _chunks(admitted, texts)))
+    pieces = await collected(request, runtime, admitted)
     choices = [_choice(admitted, i, texts, chosen, decoding.finish_reason)
                for i, (decoding, chosen) in enumerate(zip(admitted.decodings, pieces))]
-    return JSONResponse(_body(admitted, choices, usage_of(admitted)),
-                        headers={"x-routing-summary": routing_header(admitted)})
+    return JSONResponse(_body(admitted, choices, usage_of(admitted)), headers=summary_headers(admitted))
 
 
 def prompt_text(alias: Alias, prompt: str | list[int], index: int) -> str:

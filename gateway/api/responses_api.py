@@ -11,13 +11,19 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from sse_starlette.sse import EventSourceResponse
-from starlette.background import BackgroundTask
 
 from gateway import observability
 from gateway.admission.chat import admit
 from gateway.admission.tenants import Tenant
-from gateway.api.chat_completions import Started, finish, open_chunks, parse_body, summary_headers, whole_answer
+from gateway.api.chat_completions import (
+    Started,
+    event_stream,
+    finish,
+    open_chunks,
+    parse_body,
+    summary_headers,
+    whole_answer,
+)
 from gateway.api.errors import GatewayError
 from gateway.api.routes import authenticate, runtime_of
 from gateway.responses.events import ResponseEvents
@@ -49,10 +55,7 @@ async def create_response(request: Request):
     draft = ResponseDraft(body)
     if body.stream:
         chunks = await open_chunks(runtime, started)
-        return EventSourceResponse(_events(runtime, tenant, started, chunks, draft, turns), sep="\n", ping=15,
-                                   headers=summary_headers(started),
-                                   shutdown_grace_period=runtime.settings.server.drain_seconds,
-                                   background=BackgroundTask(started.release, runtime))
+        return event_stream(runtime, started, _events(runtime, tenant, started, chunks, draft, turns))
     response = response_of(draft, await whole_answer(request, runtime, started))
     await _keep(runtime, tenant, response, turns)
     return JSONResponse(response, headers=summary_headers(started))

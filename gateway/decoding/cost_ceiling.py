@@ -2,9 +2,9 @@
 directly for the same answer.
 
 What asking directly costs is the upstream's price sheet applied to the prompt once (as the
-upstream counts it) and the answer's tokens (all choices'). Before each hand-off the decoder asks
-`allows` with the call's size; the call is counted at its worst case (no prompt token read from a
-cache, each written to it where that costs more), so what is billed can only be less, and the
+upstream counts it) and the answer's tokens (all choices'). Before each hand-off the decoder
+`hold`s the call's worst case (no prompt token read from a cache, each written to it where that
+costs more) and `settle`s it to what was billed after, so what is billed can only be less, and the
 ceiling holds whatever the provider's cache does. One ceiling is shared by a request's choices
 (`n`), since asking directly would bill their prompt once.
 """

@@ -317,7 +317,7 @@ class Decoding:
         or once escalated); None past it: the answer stays local from here (on_ceiling: local) and
         the reason is reported."""
         ceiling = self.request.ceiling
-        if ceiling is None or self.usage.escalated:
+        if not self._capped_cost or self.usage.escalated:
             return 0.0
         held = ceiling.hold(self.request.choice, len(self.answer_tokens),
                             self.upstream.estimate_prompt_tokens(self._handoff), span)
