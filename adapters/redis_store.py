@@ -46,9 +46,9 @@ from adapters.store import (
     RateLimits,
     Reservation,
     SlotLease,
+    StoreSkipped,
     StoreUnavailable,
     WindowUsage,
-    new_reservation,
     to_micro,
     windows_of,
 )
@@ -216,7 +216,7 @@ class RedisStore:
     async def _run(self, call: Callable[[], T]) -> T:
         """Run one blocking Redis call on the pool; any failure becomes StoreUnavailable."""
         if time.monotonic() < self._skip_until:
-            raise StoreUnavailable("Redis failed repeatedly; retrying shortly")
+            raise StoreSkipped("Redis failed repeatedly; retrying shortly")
         try:
             result = await asyncio.get_running_loop().run_in_executor(self._executor, call)
         except (RedisError, OSError) as exc:
@@ -252,11 +252,9 @@ class RedisStore:
         keys = [self._key(tenant, "held"), day, month]
         return await self._run(lambda: self._headroom_script(keys=keys, args=args))
 
-    async def reserve(self, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float,
-                      ttl_s: float = 0.0) -> Reservation | None:
-        reservation = new_reservation(tenant, tokens, cost_usd)
-        ok, _, _ = await self._headroom_call(tenant, limits, now, reservation, ttl_s)
-        return reservation if ok == 1 else None
+    async def reserve(self, reservation: Reservation, limits: Limits, now: float, ttl_s: float = 0.0) -> bool:
+        ok, _, _ = await self._headroom_call(reservation.tenant, limits, now, reservation, ttl_s)
+        return ok == 1
 
     async def headroom(self, tenant: str, limits: Limits, now: float) -> Headroom:
         _, tokens, cost = await self._headroom_call(tenant, limits, now, None)

@@ -25,7 +25,13 @@ from typing import Any, Protocol
 
 
 class StoreUnavailable(Exception):
-    """The store could not be reached in time; callers degrade to local-only, spending nothing."""
+    """The store could not be reached in time; callers degrade to local-only, spending nothing.
+
+    A write that fails this way may still have been applied (the reply was lost, not the command)."""
+
+
+class StoreSkipped(StoreUnavailable):
+    """Not even tried, since the store failed repeatedly just now: nothing was written."""
 
 
 @dataclass(frozen=True)
@@ -147,9 +153,8 @@ def new_reservation(tenant: str, tokens: int, cost_usd: float) -> Reservation:
 class Store(Protocol):
     """Every method may raise StoreUnavailable; none blocks longer than the store's time-out."""
 
-    async def reserve(self, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float,
-                      ttl_s: float = 0.0) -> Reservation | None:
-        """Hold `tokens`/`cost_usd` against the tenant's windows, or None if a limit would pass.
+    async def reserve(self, reservation: Reservation, limits: Limits, now: float, ttl_s: float = 0.0) -> bool:
+        """Hold the reservation's tokens and cost against its tenant's windows; False if a limit would pass.
 
         The hold lasts max(`ttl_s`, the store's reservation TTL) unless settled or released."""
 
@@ -253,17 +258,15 @@ class MemoryStore:
         return Headroom(min(token_room) if token_room else None,
                         min(cost_room) / 1e6 if cost_room else None)
 
-    async def reserve(self, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float,
-                      ttl_s: float = 0.0) -> Reservation | None:
+    async def reserve(self, reservation: Reservation, limits: Limits, now: float, ttl_s: float = 0.0) -> bool:
         async with self._lock:
-            room = self._headroom(tenant, limits, now)
-            reservation = new_reservation(tenant, tokens, cost_usd)
-            if (room.tokens is not None and tokens > room.tokens) or (
+            room = self._headroom(reservation.tenant, limits, now)
+            if (room.tokens is not None and reservation.tokens > room.tokens) or (
                 room.cost_usd is not None and reservation.cost_micro > to_micro(room.cost_usd)
             ):
-                return None
-            self._held[tenant][reservation.id] = (reservation, now + max(ttl_s, self.reservation_ttl_s))
-            return reservation
+                return False
+            self._held[reservation.tenant][reservation.id] = (reservation, now + max(ttl_s, self.reservation_ttl_s))
+            return True
 
     async def settle(self, reservation: Reservation, billed: Billed, now: float) -> None:
         async with self._lock:

@@ -503,12 +503,12 @@ def wait_requests_ended(soak: Soak, gateway: GatewayProcess, sent: int, timeout_
 
 
 def wait_unsettled_flushed(gateway: GatewayProcess, timeout_s: float = 15) -> int:
-    """/health/ready's unsettled_usage once it is 0, or when the time is up."""
+    """/health/ready's unsettled_usage once it and the queued releases are 0, or when the time is up."""
     deadline = time.monotonic() + timeout_s
     while True:
-        unsettled = httpx.get(f"{gateway.base_url}/health/ready", timeout=5).json()["unsettled_usage"]
-        if unsettled == 0 or time.monotonic() >= deadline:
-            return unsettled
+        ready = httpx.get(f"{gateway.base_url}/health/ready", timeout=5).json()
+        if ready["unsettled_usage"] == ready["unreleased_holds"] == 0 or time.monotonic() >= deadline:
+            return ready["unsettled_usage"]
         time.sleep(0.5)
 
 

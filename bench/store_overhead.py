@@ -19,7 +19,7 @@ import uuid
 import redis
 
 from adapters.redis_store import RedisStore
-from adapters.store import Billed, Limits, MemoryStore, RateLimits
+from adapters.store import Billed, Limits, MemoryStore, RateLimits, new_reservation
 
 LIMITS = Limits(day_tokens=10**12, month_cost_usd=10**6)
 
@@ -32,7 +32,8 @@ async def one_request(store, tenant: str, handoffs: int) -> None:
     for step in range(handoffs):
         key = f"{tenant}:{uuid.uuid4().hex}:{step}"
         await store.cache_get(key)
-        reservation = await store.reserve(tenant, 60, 0.0, LIMITS, now)
+        reservation = new_reservation(tenant, 60, 0.0)
+        await store.reserve(reservation, LIMITS, now)
         await store.settle(reservation, Billed(55, 1, 0.0), now)
         await store.cache_put(key, "0 text")
 

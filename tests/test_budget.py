@@ -5,8 +5,16 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from adapters.store import Billed, Limits, MemoryStore, RateLimits, StoreUnavailable
-from gateway.admission.budget import Ledger
+from adapters.store import (
+    Billed,
+    Limits,
+    MemoryStore,
+    RateLimits,
+    StoreSkipped,
+    StoreUnavailable,
+    new_reservation,
+)
+from gateway.admission.budget import HandoffGate, Ledger
 
 NOW = 1_790_000_000.0
 
@@ -27,7 +35,8 @@ class FlakyStore(MemoryStore):
 async def queued_settlements(store: FlakyStore, ledger: Ledger, count: int) -> None:
     store.down = True
     for _ in range(count):
-        reservation = await store.reserve("t", 10, 0.0, Limits(), NOW)
+        reservation = new_reservation("t", 10, 0.0)
+        assert await store.reserve(reservation, Limits(), NOW)
         await ledger.settle(reservation, Billed(7, 1, 0.0))
     assert ledger.unsettled == count
     store.down = False
@@ -74,3 +83,57 @@ async def test_a_slot_released_during_an_outage_is_given_back_when_the_store_ans
     store.down = False
     await ledger.flush()
     assert ledger.unreleased == 0 and await store.admit("t", "r2", RateLimits(max_parallel=1), 0, NOW) is None
+
+
+class LostReplies(MemoryStore):
+    """A MemoryStore whose writes are applied but whose replies are lost while `down` (a Redis that
+    dies right after running a command), or that skips calls altogether when `skipping`."""
+
+    down = False
+    skipping = False
+
+    async def reserve(self, reservation, limits, now, ttl_s=0.0):
+        if self.skipping:
+            raise StoreSkipped("scripted skip")
+        held = await super().reserve(reservation, limits, now, ttl_s)
+        if self.down:
+            raise StoreUnavailable("scripted lost reply")
+        return held
+
+    async def release(self, reservation):
+        if self.down:
+            raise StoreUnavailable("scripted outage")
+        await super().release(reservation)
+
+
+async def test_a_reservation_whose_reply_was_lost_is_released_when_the_store_answers():
+    store = LostReplies()
+    limits = Limits(day_tokens=100)
+    gate = HandoffGate(Ledger(store, clock=lambda: NOW), "t", limits, allowed=True)
+    store.down = True
+    assert await gate.reserve(60, 0.0) is None and gate.refusal == "store_unavailable"
+    assert gate.ledger.unreleased == 1 and (await store.headroom("t", limits, NOW)).tokens == 40  # held unseen
+    store.down = False
+    await gate.ledger.flush()
+    assert gate.ledger.unreleased == 0 and (await store.headroom("t", limits, NOW)).tokens == 100
+
+
+async def test_a_reservation_released_during_an_outage_is_released_when_the_store_answers():
+    store = LostReplies()
+    limits = Limits(day_tokens=100)
+    gate = HandoffGate(Ledger(store, clock=lambda: NOW), "t", limits, allowed=True)
+    reservation = await gate.reserve(60, 0.0)
+    store.down = True
+    await gate.release(reservation)
+    assert gate.ledger.unreleased == 1
+    store.down = False
+    await gate.ledger.flush()
+    assert (await store.headroom("t", limits, NOW)).tokens == 100
+
+
+async def test_a_skipped_reserve_queues_nothing():
+    store = LostReplies()
+    gate = HandoffGate(Ledger(store, clock=lambda: NOW), "t", Limits(day_tokens=100), allowed=True)
+    store.skipping = True
+    assert await gate.reserve(60, 0.0) is None and gate.refusal == "store_unavailable"
+    assert gate.ledger.unreleased == 0

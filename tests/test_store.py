@@ -11,10 +11,17 @@ from datetime import datetime, timezone
 import pytest
 
 from adapters.redis_store import RedisStore
-from adapters.store import Billed, Limits, MemoryStore, RateLimits, StoreUnavailable
+from adapters.store import Billed, Limits, MemoryStore, RateLimits, Reservation, Store, StoreUnavailable, new_reservation
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc).timestamp()
 NEXT_DAY = datetime(2026, 12, 1, 0, 0, 1, tzinfo=timezone.utc).timestamp()
+
+
+async def reserve(store: Store, tenant: str, tokens: int, cost_usd: float, limits: Limits, now: float,
+                  ttl_s: float = 0.0) -> Reservation | None:
+    """The reservation if the store held it, else None."""
+    reservation = new_reservation(tenant, tokens, cost_usd)
+    return reservation if await store.reserve(reservation, limits, now, ttl_s) else None
 
 
 @pytest.fixture(params=["memory", "redis", "redis-cluster"])
@@ -32,12 +39,12 @@ async def store(request, redis_url):
 
 async def test_reserve_settle_release(store):
     limits = Limits(day_tokens=100)
-    first = await store.reserve("t", 60, 0.0, limits, NOW)
+    first = await reserve(store, "t", 60, 0.0, limits, NOW)
     assert first is not None
-    assert await store.reserve("t", 50, 0.0, limits, NOW) is None  # 60 held + 50 > 100
+    assert await reserve(store, "t", 50, 0.0, limits, NOW) is None  # 60 held + 50 > 100
     await store.settle(first, Billed(30, 5, 0.01), NOW)
     assert (await store.headroom("t", limits, NOW)).tokens == 65
-    second = await store.reserve("t", 50, 0.0, limits, NOW)
+    second = await reserve(store, "t", 50, 0.0, limits, NOW)
     assert second is not None
     await store.release(second)
     day, month = await store.usage("t", NOW)
@@ -49,27 +56,27 @@ async def test_reserve_settle_release(store):
 
 async def test_cost_and_monthly_limits(store):
     limits = Limits(day_cost_usd=1.0, month_tokens=500)
-    spent = await store.reserve("t", 10, 0.9, limits, NOW)
+    spent = await reserve(store, "t", 10, 0.9, limits, NOW)
     await store.settle(spent, Billed(8, 2, 0.9), NOW)
-    assert await store.reserve("t", 10, 0.2, limits, NOW) is None  # cost
-    assert await store.reserve("t", 491, 0.0, limits, NOW) is None  # month tokens
-    assert await store.reserve("t", 490, 0.0, limits, NOW) is not None
+    assert await reserve(store, "t", 10, 0.2, limits, NOW) is None  # cost
+    assert await reserve(store, "t", 491, 0.0, limits, NOW) is None  # month tokens
+    assert await reserve(store, "t", 490, 0.0, limits, NOW) is not None
 
 
 async def test_reservation_of_a_dead_process_expires(store):
     limits = Limits(day_tokens=100)
-    assert await store.reserve("t", 100, 0.0, limits, NOW) is not None  # never settled
-    assert await store.reserve("t", 1, 0.0, limits, NOW + 10) is None
-    assert await store.reserve("t", 100, 0.0, limits, NOW + 31) is not None
+    assert await reserve(store, "t", 100, 0.0, limits, NOW) is not None  # never settled
+    assert await reserve(store, "t", 1, 0.0, limits, NOW + 10) is None
+    assert await reserve(store, "t", 100, 0.0, limits, NOW + 31) is not None
 
 
 async def test_window_rollover_resets_the_counters(store):
     limits = Limits(day_tokens=100, month_tokens=1000)
-    reservation = await store.reserve("t", 100, 0.0, limits, NOW)
+    reservation = await reserve(store, "t", 100, 0.0, limits, NOW)
     await store.settle(reservation, Billed(90, 10, 0.0), NOW)
     await store.count_request("t", NOW)
-    assert await store.reserve("t", 1, 0.0, limits, NOW) is None
-    assert await store.reserve("t", 100, 0.0, limits, NEXT_DAY) is not None  # new day, new month
+    assert await reserve(store, "t", 1, 0.0, limits, NOW) is None
+    assert await reserve(store, "t", 100, 0.0, limits, NEXT_DAY) is not None  # new day, new month
     day, month = await store.usage("t", NEXT_DAY)
     assert (day.start, day.requests, day.upstream_prompt_tokens) == ("2026-12-01", 0, 0)
     assert month.start == "2026-12-01" and month.upstream_prompt_tokens == 0
@@ -77,7 +84,7 @@ async def test_window_rollover_resets_the_counters(store):
 
 async def test_concurrent_reservations_never_pass_the_limit(store):
     limits = Limits(day_tokens=1000)
-    results = await asyncio.gather(*(store.reserve("t", 30, 0.0, limits, NOW) for _ in range(100)))
+    results = await asyncio.gather(*(reserve(store, "t", 30, 0.0, limits, NOW) for _ in range(100)))
     assert sum(r is not None for r in results) == 33
 
 
@@ -128,7 +135,7 @@ async def test_stored_responses_expire(store):
 
 async def test_settling_twice_bills_once(store):
     limits = Limits(day_tokens=100)
-    reservation = await store.reserve("t", 50, 0.0, limits, NOW)
+    reservation = await reserve(store, "t", 50, 0.0, limits, NOW)
     await store.settle(reservation, Billed(20, 5, 0.01), NOW)
     await store.settle(reservation, Billed(20, 5, 0.01), NOW)  # a retry after a lost reply
     day, _ = await store.usage("t", NOW)
@@ -138,9 +145,9 @@ async def test_settling_twice_bills_once(store):
 
 async def test_a_reservation_lasts_as_long_as_its_call_may(store):
     limits = Limits(day_tokens=100)
-    assert await store.reserve("t", 100, 0.0, limits, NOW, ttl_s=90) is not None  # store default: 30 s
-    assert await store.reserve("t", 1, 0.0, limits, NOW + 60) is None  # still held
-    assert await store.reserve("t", 100, 0.0, limits, NOW + 91) is not None
+    assert await reserve(store, "t", 100, 0.0, limits, NOW, ttl_s=90) is not None  # store default: 30 s
+    assert await reserve(store, "t", 1, 0.0, limits, NOW + 60) is None  # still held
+    assert await reserve(store, "t", 100, 0.0, limits, NOW + 91) is not None
 
 
 async def test_cache_keeps_only_the_newest_entries(store):
@@ -164,7 +171,7 @@ async def test_unreachable_redis_raises_store_unavailable_quickly():
     started = loop.time()
     for _ in range(3):
         with pytest.raises(StoreUnavailable):
-            await dead.reserve("t", 1, 0.0, Limits(), NOW)
+            await reserve(dead, "t", 1, 0.0, Limits(), NOW)
     with pytest.raises(StoreUnavailable, match="repeatedly"):  # now skipped without a network round trip
         await dead.usage("t", NOW)
     assert loop.time() - started < 1.0

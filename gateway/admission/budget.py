@@ -5,6 +5,8 @@ cannot take is a refusal (the step is decoded locally, and the next routed step 
 settlement it cannot write is queued in the ledger and written when the store answers again
 (on the next call, or by `keep_flushing` in the background), so no billed call is lost. The
 store settles each reservation at most once, so a queued settlement may be retried safely.
+Releases wait in the same way, including that of a reservation whose reserve call failed (Redis
+may have applied it and lost only the reply), so that no hold outlives its request by its TTL.
 """
 
 from __future__ import annotations
@@ -12,22 +14,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from adapters.store import Billed, Headroom, Limits, Reservation, Store, StoreUnavailable
+from adapters.store import (
+    Billed,
+    Headroom,
+    Limits,
+    Reservation,
+    Store,
+    StoreSkipped,
+    StoreUnavailable,
+    new_reservation,
+)
 
 log = logging.getLogger("gateway.admission.budget")
 
 
 class Ledger:
-    """The Store plus queues of what could not be written yet: settlements and parallel-slot releases."""
+    """The Store plus queues of what could not be written yet: settlements, and releases of
+    parallel slots and reservations."""
 
     def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.clock = clock
         self._unsettled: list[tuple[Reservation, Billed, float]] = []
-        self._unreleased: list[tuple[str, str]] = []  # (tenant, request id) whose parallel slot is still held
+        self._unreleased: list[Callable[[], Awaitable[None]]] = []  # store calls that give a hold back
         self._flushing = asyncio.Lock()  # two flushes at once would write one entry twice and drop the next
 
     @property
@@ -50,10 +62,21 @@ class Ledger:
     async def release_slot(self, tenant: str, request_id: str) -> None:
         """Give back a request's parallel slot, now or once the store answers again: a slot left
         held would refuse the tenant's requests until it expires."""
+        await self._release(lambda: self.store.release_slot(tenant, request_id))
+
+    async def release(self, reservation: Reservation, tried: bool = True) -> None:
+        """Drop an unspent reservation, now or once the store answers again (`tried=False`: only then,
+        since the store has just failed)."""
+        if tried:
+            await self._release(lambda: self.store.release(reservation))
+        else:
+            self._unreleased.append(lambda: self.store.release(reservation))
+
+    async def _release(self, call: Callable[[], Awaitable[None]]) -> None:
         try:
-            await self.store.release_slot(tenant, request_id)
+            await call()
         except StoreUnavailable:
-            self._unreleased.append((tenant, request_id))
+            self._unreleased.append(call)
 
     async def flush(self) -> None:
         """Write queued settlements and releases; raises StoreUnavailable if the store is still down."""
@@ -65,7 +88,7 @@ class Ledger:
                 await self.store.settle(reservation, billed, when)
                 self._unsettled.pop(0)
             while self._unreleased:
-                await self.store.release_slot(*self._unreleased[0])
+                await self._unreleased[0]()
                 self._unreleased.pop(0)
 
     async def keep_flushing(self, interval_s: float = 1.0) -> None:
@@ -103,16 +126,22 @@ class HandoffGate:
         if self.ledger is None or not self.allowed:
             self.refusal = "upstream_forbidden"
             return None
+        reservation = new_reservation(self.tenant, tokens, cost_usd)
         try:
             await self.ledger.flush()
-            reservation = await self.ledger.store.reserve(
-                self.tenant, tokens, cost_usd, self.limits, self.ledger.clock(), ttl_s)
         except StoreUnavailable:
             self.refusal = "store_unavailable"
             return None
-        if reservation is None:
+        try:
+            held = await self.ledger.store.reserve(reservation, self.limits, self.ledger.clock(), ttl_s)
+        except StoreUnavailable as fault:
+            if not isinstance(fault, StoreSkipped):  # Redis may have held it and lost only the reply
+                await self.ledger.release(reservation, tried=False)
+            self.refusal = "store_unavailable"
+            return None
+        if not held:
             self.refusal = "budget_exhausted"
-        return reservation
+        return reservation if held else None
 
     async def settle(self, reservation: Reservation, billed: Billed) -> None:
         await self.ledger.settle(reservation, billed)
@@ -120,10 +149,7 @@ class HandoffGate:
             self.headroom = Headroom(self.headroom.tokens - billed.tokens, self.headroom.cost_usd)
 
     async def release(self, reservation: Reservation) -> None:
-        try:
-            await self.ledger.store.release(reservation)
-        except StoreUnavailable:
-            pass  # the reservation expires on its own
+        await self.ledger.release(reservation)
 
     async def cache_get(self, key: str) -> str | None:
         try:

@@ -101,7 +101,7 @@ async def ready(request: Request):
         "store": "ok" if store_ok else "unavailable",
         "mode": "routing" if store_ok else "local_only",
         "unsettled_usage": runtime.ledger.unsettled,
-        "unreleased_slots": runtime.ledger.unreleased,
+        "unreleased_holds": runtime.ledger.unreleased,
         "queue_depth": {name: model.queue_depth for name, model in runtime.local_models.items()},
     }
     return JSONResponse(body, status_code=503 if draining else 200)
