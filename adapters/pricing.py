@@ -26,7 +26,7 @@ class Prices(NamedTuple):
         """What a call is expected to bill when `reusable_tokens` of its prompt were in an earlier
         call of the same request (read from the cache if the prompt reaches the provider's
         minimum; the rest written to it where that has a price)."""
-        cached = reusable_tokens if prompt_tokens >= self.cache_min_prompt_tokens else 0
+        cached = min(reusable_tokens, prompt_tokens) if prompt_tokens >= self.cache_min_prompt_tokens else 0
         fresh = self.input if self.cache_write is None or cached == 0 else self.cache_write
         return (prompt_tokens - cached) * fresh + cached * self.cached_input + completion_tokens * self.output
 

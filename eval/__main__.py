@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--n-ctx", type=int, default=2048)
     run.add_argument("--input-usd-per-mtok", type=float, default=0.5, help="assumed upstream price (prompt)")
     run.add_argument("--output-usd-per-mtok", type=float, default=1.5, help="assumed upstream price (completion)")
+    run.add_argument("--decision-sheet", help="price the upstream with this sheet instead (a name of `costs "
+                     "--sheet` or a file; token prices only): what price-aware configs (value=, ceiling=) decide on")
     run.set_defaults(command=_run)
 
     analyze = commands.add_parser("analyze", help="FS-GEN: teacher-force the local model on the upstream's answers")
@@ -175,6 +177,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 async def _run_async(args: argparse.Namespace, plan: Any, total: int) -> dict[str, Any]:
+    from eval.costs import load_sheet
     from eval.runner import run
     from eval.session import ModelOptions, open_models
 
@@ -182,7 +185,7 @@ async def _run_async(args: argparse.Namespace, plan: Any, total: int) -> dict[st
     options = ModelOptions(args.local, args.upstream, args.n_ctx, args.threads, args.input_usd_per_mtok,
                            args.output_usd_per_mtok, upstream_api_base=args.upstream_api_base,
                            parallel=args.parallel, upstream_server=args.upstream_server, warm=args.warm,
-                           router=args.router)
+                           router=args.router, sheet=load_sheet(args.decision_sheet) if args.decision_sheet else None)
     models = await open_models(options, with_upstream=any(s.uses_upstream for s in plan.configs))
     try:
         with tqdm(total=total, unit="item", mininterval=2.0, dynamic_ncols=True) as bar:
@@ -221,6 +224,7 @@ def _meta(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
         "upstream_server": args.upstream_server, "warm": args.warm, "router": args.router,
         "n_ctx": args.n_ctx, "max_tokens": plan.max_tokens, "greedy": True,
         "prices_usd_per_mtok": {"input": args.input_usd_per_mtok, "output": args.output_usd_per_mtok},
+        "decision_sheet": args.decision_sheet,
         "instructions": {"csqa": datasets.CSQA_INSTRUCTION, "gsm8k": datasets.GSM8K_INSTRUCTION},
         "host": {"machine": platform.machine(), "python": platform.python_version()},
     }

@@ -11,6 +11,10 @@
     first@K               route the first K answer tokens only
     ...,span=N,until=R    the same with up to N upstream tokens per hand-off, cut at the first
                           word / line / sentence boundary when R is given (gateway/decoding/spans.py)
+    ...,value=V           price-aware (routing.answer_value V, early escalation on), priced with
+                          the run's --decision-sheet
+    ...,ceiling=R[,on=escalate]
+                          a cost ceiling (routing.max_cost_ratio R; on_ceiling local unless given)
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ class ConfigSpec:
     value: float | None = None
     span_tokens: int = 1
     until: str = "tokens"
+    answer_value: float | None = None
+    max_cost_ratio: float | None = None
+    on_ceiling: str = "local"
     # target_fraction's window of recent entropies, shared by all items of the config as the
     # gateway shares it by all requests of an alias
     window: EntropyWindow = field(default_factory=EntropyWindow, compare=False, repr=False)
@@ -56,12 +63,13 @@ class ConfigSpec:
         if self.policy == "oracle":
             raise ValueError("the oracle needs the item's reference; see eval.oracle")
         if self.policy == "target_fraction":
-            return build_policy("target_fraction", target_fraction=self.value, window=self.window)
+            return build_policy("target_fraction", target_fraction=self.value, window=self.window,
+                                answer_value=self.answer_value)
         if self.policy == "learned":
             if router is None:
                 raise ValueError(f"config {self.name} needs a router: pass --router")
-            return build_policy("learned", target_fraction=self.value, router=router)
-        return build_policy(self.policy, threshold=self.value)
+            return build_policy("learned", target_fraction=self.value, router=router, answer_value=self.answer_value)
+        return build_policy(self.policy, threshold=self.value, answer_value=self.answer_value)
 
 
 def parse_config(text: str) -> ConfigSpec:
@@ -77,10 +85,15 @@ def parse_config(text: str) -> ConfigSpec:
     number = float(value)
     if policy in ("target_fraction", "learned") and not 0 < number <= 1:
         raise ValueError(f"bad config {text!r}: a target share is in (0, 1]")
-    spans = dict(option.partition("=")[::2] for option in options)
-    if set(spans) - {"span", "until"} or spans.get("until", "tokens") not in SPAN_RULES:
-        raise ValueError(f"bad config {text!r}: options are span=<tokens> and until=<{'|'.join(SPAN_RULES)}>")
-    return ConfigSpec(text, policy, number, int(spans.get("span", 1)), spans.get("until", "tokens"))
+    given = dict(option.partition("=")[::2] for option in options)
+    if set(given) - {"span", "until", "value", "ceiling", "on"} or given.get("until", "tokens") not in SPAN_RULES \
+            or given.get("on", "local") not in ("local", "escalate"):
+        raise ValueError(f"bad config {text!r}: options are span=<tokens>, until=<{'|'.join(SPAN_RULES)}>, "
+                         "value=<answer value>, ceiling=<cost ratio> and on=<local|escalate>")
+    value, ceiling = given.get("value"), given.get("ceiling")
+    return ConfigSpec(text, policy, number, int(given.get("span", 1)), given.get("until", "tokens"),
+                      None if value is None else float(value), None if ceiling is None else float(ceiling),
+                      given.get("on", "local"))
 
 
 def configs_from_snippet(path: Path, keys: list[str] | None = None) -> list[ConfigSpec]:

@@ -29,6 +29,7 @@ from eval.records import append_record, configs_in, datasets_in, read_records, r
 from eval.session import Models
 from eval.summary import summarize
 from gateway.admission.budget import HandoffGate, Ledger
+from gateway.decoding.cost_ceiling import CostCeiling, cost_ratio
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from policies import Policy, Signal
 
@@ -135,8 +136,11 @@ async def evaluate(models: Models, plan: RunPlan, spec: ConfigSpec, item: Item,
     else:
         policy = spec.policy_object(models.router)
     grammar = gbnf_for("json_schema", item.meta["schema"]) if "schema" in item.meta else None
+    priced = spec.uses_upstream and models.upstream is not None  # every routed answer reports its cost ratio
+    ceiling = CostCeiling(spec.max_cost_ratio, models.upstream.prices, 0) if priced else None
     request = DecodeRequest(messages=item.messages, max_tokens=plan.max_tokens, policy=policy,
-                            span=spec.span(plan.max_tokens), span_until=spec.until, grammar=grammar)
+                            span=spec.span(plan.max_tokens), span_until=spec.until, grammar=grammar,
+                            ceiling=ceiling, on_ceiling=spec.on_ceiling)
     record: dict[str, Any] = {"id": item.id, "row": item.row, "config": spec.name, "dataset": plan.dataset,
                               "gold": item.gold}
     if spec.uses_upstream and plan.parallel == 1:  # with items in flight together, their sequences stay
@@ -190,6 +194,8 @@ def _outcome(dataset: str, item: Item, decoding: Decoding, wall: float, signals:
         "upstream_cached_tokens": usage.upstream_cached_tokens,
         "upstream_compute_ms": round(usage.upstream_compute_ms, 1),
         "upstream_cost_usd": usage.upstream_cost_usd, "degraded": list(usage.degraded),
+        "upstream_predicted_cost_usd": usage.predicted_cost_usd, "cost_ratio": cost_ratio([decoding]),
+        "escalated": usage.escalated, "price_vetoes": usage.price_vetoes,
         "finish_reason": decoding.finish_reason, "wall_s": round(wall, 4),
         "prompt_tokens": len(decoding.prompt_tokens),
         "mean_entropy": round(statistics.fmean(entropies), 5), "max_entropy": round(max(entropies), 5),

@@ -16,6 +16,7 @@ from adapters.local_model import LocalModel
 from adapters.model_files import model_sha256, resolve_model
 from adapters.upstream import Upstream
 from adapters.upstream_server import UpstreamServer, forgetful_args
+from eval.costs import PriceSheet
 from gateway.runtime import make_upstream
 from gateway.settings import LaunchSettings, UpstreamSettings
 from policies import Router
@@ -58,6 +59,7 @@ class ModelOptions:
     upstream_server: str = "llama-server"  # or llama-cpp-python (text prompts, no KV reuse between calls)
     warm: bool = False  # tokens mode: send the prompt when an item starts
     router: str | None = None  # a learned router file, checked against the local model
+    sheet: PriceSheet | None = None  # token prices that replace the assumed ones (what decisions are priced at)
 
     @property
     def upstream_mode(self) -> str:
@@ -95,11 +97,20 @@ async def open_models(options: ModelOptions, with_upstream: bool) -> Models:
 
 
 def upstream_settings(options: ModelOptions, api_base: str, template_gguf: str) -> UpstreamSettings:
-    """Tokens (or completions) mode on the upstream's own template; greedy; the assumed prices."""
+    """Tokens (or completions) mode on the upstream's own template; greedy; the assumed prices, or
+    the sheet's."""
+    sheet = options.sheet
+    prices = dict(input_usd_per_mtok=options.input_usd_per_mtok, output_usd_per_mtok=options.output_usd_per_mtok)
+    if sheet is not None:
+        if sheet.compute_usd_per_hour is not None:
+            raise ValueError(f"sheet {sheet.name} prices compute time: decisions need token prices")
+        prices = dict(input_usd_per_mtok=sheet.input, output_usd_per_mtok=sheet.output,
+                      cached_input_usd_per_mtok=sheet.cached_read, cache_write_usd_per_mtok=sheet.cache_write,
+                      cache_min_prompt_tokens=int(min(sheet.cache_min_prompt_tokens, 10**9)))
     return UpstreamSettings(
         model="text-completion-openai/eval-upstream", api_base=api_base, mode=options.upstream_mode,
         warm=options.warm and options.upstream_mode == "tokens",
         template_gguf=template_gguf, extra_body={"repeat_penalty": 1.0}, timeout_s=options.timeout_s,
-        retries=1, input_usd_per_mtok=options.input_usd_per_mtok, output_usd_per_mtok=options.output_usd_per_mtok,
+        retries=1, **prices,
         cache_isolation="shared",  # one tenant: the upstream's cache counts are what the records measure
     )

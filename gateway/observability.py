@@ -106,8 +106,11 @@ class Metrics:
                                          ["alias"], registry=r,
                                          buckets=(0.5, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 2.0, float("inf")))
         self.escalated = Counter("gateway_escalated_requests",
-                                 "Answers whose rest the upstream wrote in one call at the cost ceiling.", ["alias"],
-                                 registry=r)
+                                 "Answers whose rest the upstream wrote in one call (at the cost ceiling, or "
+                                 "escalated early by price-aware routing).", ["alias"], registry=r)
+        self.price_vetoes = Counter("gateway_price_vetoed_steps",
+                                    "Steps the policy wanted upstream that price-aware routing kept local (not worth "
+                                    "their predicted price).", ["alias"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -316,6 +319,9 @@ def _count_answer(record: RequestRecord, admitted: Any) -> None:
         metrics.degraded.labels(alias, reason).inc()
     if any(decoding.usage.escalated for decoding in admitted.decodings):
         metrics.escalated.labels(alias).inc()
+    vetoes = sum(decoding.usage.price_vetoes for decoding in admitted.decodings)
+    if vetoes:
+        metrics.price_vetoes.labels(alias).inc(vetoes)
     ratio = cost_ratio(admitted.decodings)
     if ratio is not None:
         metrics.cost_ratio.labels(alias).observe(ratio)

@@ -81,6 +81,13 @@ class RoutingSettings(Strict):
     on_ceiling: OnCeiling = Field(
         "local", description="When the next hand-off would pass the ceiling: local (finish locally) or escalate "
         "(the upstream writes the rest of the answer in one call).")
+    answer_value: float | None = Field(
+        None, gt=0, le=1000, description="Price-aware routing: what a correct answer is worth, in multiples of asking "
+        "the upstream directly for it. A hand-off the policy wants is then made only if its chance of being needed "
+        "times that value covers its predicted price (prices, prompt cache); null: decisions ignore price.")
+    early_escalation: bool = Field(
+        True, description="With answer_value: when the hand-offs the running rate predicts would cost at least the "
+        "upstream writing the rest of the answer, hand the rest over in one call.")
 
     @model_validator(mode="before")
     @classmethod
@@ -120,6 +127,10 @@ class RoutingOverride(Strict):
     max_cost_ratio: float | None = Field(None, gt=0, le=1000, description="Cost ceiling, as a multiple of asking the "
                                          "upstream directly.")
     on_ceiling: OnCeiling | None = Field(None, description="At the ceiling: local or escalate.")
+    answer_value: float | None = Field(None, gt=0, le=1000, description="Price-aware routing: a correct answer's "
+                                       "worth, in multiples of asking the upstream directly.")
+    early_escalation: bool | None = Field(None, description="With answer_value: escalate when the running rate of "
+                                          "hand-offs predicts they would cost more than the upstream writing the rest.")
 
 
 Unsupported = Literal["upstream", "refuse"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from policies.base import LOCAL, UPSTREAM, Decision, Policy, Route, RoutingState, Signal
 from policies.caps import Capped
 from policies.learned import FirstTokens, LearnedAbove, Router
+from policies.price import PriceAware
 from policies.target_fraction import EntropyWindow, TargetFraction
 from policies.thresholds import Always, EntropyAbove, MarginBelow, Never, Top1Below
 
@@ -20,6 +21,8 @@ def build_policy(
     max_upstream_calls: int | None = None,
     window: EntropyWindow | None = None,
     router: Router | None = None,
+    answer_value: float | None = None,
+    early_escalation: bool = True,
 ) -> Policy:
     """A fresh policy for one request, wrapped in its caps.
 
@@ -27,6 +30,7 @@ def build_policy(
     of a tenant on an alias so its threshold is calibrated on more than one short answer. `learned`
     needs `router` and a score `threshold`, or a `target_fraction` that the router's fitted
     share thresholds turn into one; `first` routes the first `threshold` answer tokens.
+    `answer_value` makes it price-aware (policies.price); None leaves decisions blind to price.
     """
     inner: Policy
     if name == "never":
@@ -45,6 +49,8 @@ def build_policy(
         inner = TargetFraction(target_fraction, EntropyWindow() if window is None else window)
     else:
         raise ValueError(f"unknown routing policy {name!r}")
+    if answer_value is not None:
+        inner = PriceAware(inner, answer_value, escalate=early_escalation)
     return Capped(inner, max_upstream_tokens, max_upstream_share, max_upstream_calls)
 
 

@@ -33,17 +33,26 @@ class RoutingState:
     upstream_calls: int = 0
     budget_tokens_left: int | None = None  # None: no token budget applies
     handoff_cost_tokens: int = 0  # estimated billed tokens of the next hand-off
+    # Predicted prices (USD, the upstream's price sheet; all 0 without one or for a free upstream):
+    handoff_price_usd: float = 0.0  # of the next hand-off, reading what its prefix may from a cache
+    direct_price_usd: float = 0.0  # of asking the upstream directly for the whole answer
+    rest_price_usd: float = 0.0  # of the upstream writing the rest of the answer in one call
+    rest_tokens: int = 0  # answer tokens still allowed
 
 
 @dataclass(frozen=True)
 class Decision:
     """Where one step goes. For an upstream step, `room` is the most tokens the upstream may write
-    (None: as many as the request's span); for a local one, `vetoed` says which cap turned an
-    upstream step local ("cap", or "budget" when the tenant's budget would not cover it)."""
+    (None: as many as the request's span), `escalate` hands the rest of the answer over in one call,
+    and `need` is the policy's chance that the hand-off is needed (None: it has no such estimate);
+    for a local one, `vetoed` says what turned an upstream step local ("cap", "budget" when the
+    tenant's budget would not cover it, "price" when the hand-off was not worth its price)."""
 
     route: Route
     room: int | None = None
     vetoed: str | None = None
+    escalate: bool = False
+    need: float | None = None
 
     @property
     def upstream(self) -> bool:

@@ -47,7 +47,8 @@ class Capped:
         vetoed = self._veto(state)
         if vetoed:
             return Decision(Route.LOCAL, vetoed=vetoed)
-        return Decision(Route.UPSTREAM, room=self.room(state))
+        room = self.room(state)  # an escalation past a token or share cap is one hand-off up to it
+        return Decision(Route.UPSTREAM, room=room, escalate=wanted.escalate and room is None, need=wanted.need)
 
     def room(self, state: RoutingState) -> int | None:
         """How many upstream tokens the token and share caps allow from this step on, counting each

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import LOCAL, UPSTREAM, Decision, PolicyDefaults, RoutingState, Signal
+from policies.base import LOCAL, UPSTREAM, Decision, PolicyDefaults, Route, RoutingState, Signal
 
 FORMAT = "routing-gateway/learned-router@1"
 KINDS = ("word", "digit", "punct", "newline")  # one-hot; "piece" (inside a word) is the baseline
@@ -113,7 +113,8 @@ class LearnedAbove(PolicyDefaults):
     detailed_signal = True
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
-        return UPSTREAM if self.router.score(features(signal)) > self.threshold else LOCAL
+        score = self.router.score(features(signal))
+        return Decision(Route.UPSTREAM, need=score) if score > self.threshold else LOCAL
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""The cost ceiling against a live gateway whose upstream is a real llama-server (tokens mode,
-priced in the config): an answer's hand-offs bill at most `max_cost_ratio` times asking the
-upstream directly, escalation hands the rest over in one call, and bad values are a 400."""
+"""The cost ceiling and price-aware routing against a live gateway whose upstream is a real
+llama-server (tokens mode, priced in the config): an answer's hand-offs bill at most
+`max_cost_ratio` times asking the upstream directly, escalation hands the rest over in one call,
+price-aware routing skips hand-offs not worth their price, and bad values are a 400."""
 
 from __future__ import annotations
 
@@ -59,9 +60,20 @@ def test_escalation_hands_the_rest_to_the_upstream_once(gateway, client):
     assert 'gateway_degraded_requests_total{alias="routed",reason="cost_ceiling"}' in metrics
 
 
+def test_price_aware_routing_escalates_a_costly_run_of_hand_offs_and_skips_unworthy_ones(client):
+    # this upstream bills every prompt token at the input price (no cached price is configured), so
+    # a call per token soon costs more than the upstream writing the rest in one call
+    escalated = routed(client, answer_value=1000)
+    assert escalated["escalated"] and escalated["local_tokens"] == 0 and escalated["price_vetoes"] == 0
+    assert escalated["upstream_calls"] == 4  # three one-token hand-offs set the running rate, then the rest
+    worthless = routed(client, answer_value=1e-6)  # no step is worth a millionth of the answer's price
+    assert worthless["upstream_calls"] == 0 and worthless["price_vetoes"] >= worthless["local_tokens"] > 0
+
+
 @pytest.mark.parametrize(("routing", "param"), [
     ({"max_cost_ratio": 0}, "routing.max_cost_ratio"), ({"max_cost_ratio": "cheap"}, "routing.max_cost_ratio"),
-    ({"on_ceiling": "panic"}, "routing.on_ceiling"),
+    ({"on_ceiling": "panic"}, "routing.on_ceiling"), ({"answer_value": -1}, "routing.answer_value"),
+    ({"early_escalation": "maybe"}, "routing.early_escalation"),
 ])
 def test_bad_values_are_a_400_naming_the_field(client, routing, param):
     with pytest.raises(openai.BadRequestError) as caught:

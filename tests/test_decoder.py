@@ -99,6 +99,24 @@ async def test_escalation_hands_the_rest_to_the_upstream_in_one_call():
     assert "cost_ceiling" in decoding.usage.degraded
 
 
+async def test_price_aware_routing_hands_the_rest_over_once_hand_offs_cost_more_than_it():
+    upstream = FakeUpstream("Paris is nice.")
+    unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)))  # a need near 1 everywhere
+    decoding, _ = make(unsure, upstream, ceiling=ceiling(None), answer_value=1000.0)
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is nice." and decoding.usage.escalated and decoding.usage.price_vetoes == 0
+    assert len(upstream.calls) == decoding.usage.upstream_calls == 4  # three at a token each, then the rest
+
+
+async def test_price_aware_routing_keeps_steps_local_that_are_not_worth_their_price():
+    upstream = FakeUpstream("Paris is nice.")
+    unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0)
+    decoding, _ = make(unsure, upstream, ceiling=ceiling(None), answer_value=1e-6)
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is big." and upstream.calls == []
+    assert decoding.usage.price_vetoes == len(decoding.answer_tokens) + 1  # and the end-of-answer step
+
+
 async def test_choices_share_one_ceiling_as_asking_directly_bills_their_prompt_once():
     limit = ceiling(2.0)
     decodings = [make(FakeLocalModel(VOCAB, "Paris is nice."), FakeUpstream("Paris is nice."), ceiling=limit,

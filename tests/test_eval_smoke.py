@@ -56,6 +56,10 @@ def test_config_names():
     assert [s.name for s in ordered([parse_config("oracle"), parse_config("local")])] == ["upstream", "oracle", "local"]
     with pytest.raises(ValueError):
         parse_config("entropy")
+    priced = parse_config("learned@0.05,value=0.5,ceiling=1,on=escalate")
+    assert (priced.answer_value, priced.max_cost_ratio, priced.on_ceiling) == (0.5, 1.0, "escalate")
+    with pytest.raises(ValueError):
+        parse_config("top1@0.5,on=panic")
 
 
 def test_mcnemar_p_is_the_exact_two_sided_binomial_tail():
@@ -117,11 +121,14 @@ async def test_harness_end_to_end(smol_models, smol_path, tmp_path):
             assert record["sources"].count("U") <= record["oracle"]["mismatches"]
 
     # resuming does not redo items: only the new config decodes
-    resumed = RunPlan("csqa", items, [*configs, parse_config("top1@0.5")], tmp_path, max_tokens=16, block=2)
+    capped = "top1@0.5,ceiling=1"
+    resumed = RunPlan("csqa", items, [*configs, parse_config(capped)], tmp_path, max_tokens=16, block=2)
     decoded.clear()
     await run(resumed, smol_models, decoded.append)
-    assert decoded == ["top1@0.5"] * len(items)
+    assert decoded == [capped] * len(items)
     assert len(records_path(tmp_path, "csqa", "local").read_text().splitlines()) == len(items)
+    ratios = [r["cost_ratio"] for r in read_records(records_path(tmp_path, "csqa", capped)) if r["upstream_calls"]]
+    assert ratios and all(0 < ratio <= 1.0 for ratio in ratios)  # the ceiling holds on every answer
 
     # FS-GEN analysis and calibration on the upstream's answers
     forcer = TeacherForcer.load(smol_path, n_ctx=1024, threads=1)

@@ -11,7 +11,16 @@ from datetime import datetime, timezone
 import pytest
 
 from adapters.redis_store import RedisStore
-from adapters.store import Billed, Limits, MemoryStore, RateLimits, Reservation, Store, StoreUnavailable, new_reservation
+from adapters.store import (
+    Billed,
+    Limits,
+    MemoryStore,
+    RateLimits,
+    Reservation,
+    Store,
+    StoreUnavailable,
+    new_reservation,
+)
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc).timestamp()
 NEXT_DAY = datetime(2026, 12, 1, 0, 0, 1, tzinfo=timezone.utc).timestamp()

@@ -36,6 +36,7 @@ def usage_of(admitted: Admitted) -> dict[str, Any]:
             "upstream_predicted_cost_usd": round(sum(u.predicted_cost_usd for u in usages), 8),
             "cost_ratio": cost_ratio(decodings),
             "escalated": any(u.escalated for u in usages),
+            "price_vetoes": sum(u.price_vetoes for u in usages),
             "degraded": list(dict.fromkeys(reason for u in usages for reason in u.degraded)),
         },
     }

@@ -20,6 +20,7 @@ and the answer ends only where the grammar is complete; guessing ahead is off.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -113,7 +114,8 @@ class RoutingUsage:
     upstream_cached_tokens: int = 0  # of the prompt tokens, those the upstream read from its cache
     upstream_compute_ms: float = 0.0  # the upstream's own prompt + generation time, where it reports it
     upstream_cost_usd: float = 0.0
-    escalated: bool = False  # the upstream wrote the rest of the answer in one call (on_ceiling: escalate)
+    escalated: bool = False  # the upstream was asked for the rest of the answer in one call
+    price_vetoes: int = 0  # steps the policy wanted upstream that were not worth their predicted price
     predicted_cost_usd: float = 0.0  # what the calls made were expected to bill (prices and prefix reuse)
     degraded: list[str] = field(default_factory=list)
 
@@ -192,7 +194,7 @@ class Decoding:
                     signal = self._signal(logits, len(self.answer_tokens))
                     decision = self._decide(signal)
                     if decision.upstream:
-                        for piece in await self._upstream_step(sequence, logits, signal, decision.room):
+                        for piece in await self._upstream_step(sequence, logits, signal, decision):
                             yield piece
                     else:
                         yield await self._local_step(logits, signal)
@@ -226,13 +228,27 @@ class Decoding:
 
     def _state(self) -> RoutingState:
         answered = len(self.answer_tokens)
-        return RoutingState(
+        state = RoutingState(
             answer_tokens=answered,
             upstream_tokens=answered - self.sources.count(LOCAL),
             upstream_calls=self.usage.upstream_calls,
             budget_tokens_left=self.gate.tokens_left(),
             handoff_cost_tokens=len(self.prompt_tokens) + answered + self.request.span,
         )
+        return self._priced(state) if self.request.ceiling is not None and not self._upstream_closed else state
+
+    def _priced(self, state: RoutingState) -> RoutingState:
+        """The state with the next hand-off's predicted prices. The hand-off's prompt is counted as
+        the upstream's count of the request's prompt plus the answer's local tokens (no second
+        tokenization per step), and at least the previous call's, whose prefix the provider's
+        cache may read."""
+        prices, prompt, reused = self.upstream.prices, self.request.ceiling.prompt_tokens, self._reusable_tokens
+        call_prompt, rest = max(prompt + state.answer_tokens, reused), self.limit - state.answer_tokens
+        return dataclasses.replace(
+            state, rest_tokens=rest,
+            handoff_price_usd=prices.predicted(call_prompt, self.request.span, reused),
+            direct_price_usd=prices.direct(prompt, self.limit),
+            rest_price_usd=prices.predicted(call_prompt, rest, reused))
 
     @property
     def _capped_cost(self) -> bool:
@@ -245,6 +261,8 @@ class Decoding:
         wanted = self.request.policy.decide(signal, self._state())
         if wanted.vetoed == "budget" and not self._upstream_closed:
             self.usage.degrade("budget_exhausted")
+        elif wanted.vetoed == "price" and self._may_route():
+            self.usage.price_vetoes += 1
         if not wanted.upstream or self._upstream_closed or self.text.mid_character:
             return LOCAL_STEP
         if not self.upstream.available:
@@ -278,11 +296,13 @@ class Decoding:
         return Piece(text, (token,), LOCAL, signal, logprobs)
 
     async def _upstream_step(self, sequence: Sequence, logits: np.ndarray, signal: Signal,
-                             room: int | None) -> list[Piece]:
-        """A hand-off of up to `room` tokens (the caps' headroom; None: the request's span)."""
+                             decision: Decision) -> list[Piece]:
+        """A hand-off of up to `decision.room` tokens (the caps' headroom; None: the request's
+        span), or of the rest of the answer when it escalates."""
         rest = self.limit - len(self.answer_tokens)
-        span = max(1, rest if self.usage.escalated else
-                   min(self.request.span, rest, self.request.span if room is None else room))
+        escalating = decision.escalate and not self.usage.escalated
+        room = self.request.span if decision.room is None else decision.room
+        span = max(1, rest if self.usage.escalated or escalating else min(self.request.span, rest, room))
         if self._grammar is not None:
             span = min(span, GRAMMAR_SPAN)
         self._handoff = self.upstream.with_answer(self._handoff, self.text.text)
@@ -290,8 +310,9 @@ class Decoding:
         if held is None:
             if self.request.on_ceiling != "escalate":
                 return [await self._local_step(logits, signal)]
-            self.usage.escalated = True
+            escalating = True
             span = max(1, rest if self._grammar is None else min(rest, GRAMMAR_SPAN))
+        self.usage.escalated = self.usage.escalated or escalating
         billed_before = self.usage.upstream_cost_usd
         call = asyncio.ensure_future(self._continuation(self._handoff, span))
         try:

@@ -1,0 +1,65 @@
+"""Price-aware routing: a wrapper that weighs each hand-off its policy wants against its price.
+
+A hand-off is worth its price when the chance that it is needed, times what a correct answer is
+worth, covers what it is predicted to bill:
+
+    need x answer_value x direct_price >= handoff_price
+
+`need` is the inner policy's own estimate (a learned router's score) or else 1 - top-1, the local
+model's own chance of being wrong. `answer_value` is in multiples of asking the upstream directly
+for the whole answer (`direct_price`), so the bar is a unitless share that rises with the price of
+this hand-off: one whose prefix the provider reads from its cache at a tenth of the price clears
+it far more easily than one that re-bills a long prefix.
+
+Escalation: after `min_calls` hand-offs, the running rate of hand-offs per answer token predicts
+how many are still to come; once those would cost (at this hand-off's price) at least what the
+upstream writing the rest in one call costs, the rest is handed over at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policies.base import Decision, Policy, Route, RoutingState, Signal
+
+
+@dataclass(frozen=True)
+class PriceAware:
+    inner: Policy
+    answer_value: float = 1.0
+    escalate: bool = True
+    min_calls: int = 3
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def detailed_signal(self) -> bool:
+        return self.inner.detailed_signal
+
+    @property
+    def routes(self) -> bool:
+        return self.inner.routes
+
+    @property
+    def wants_warm_up(self) -> bool:
+        return self.inner.wants_warm_up
+
+    def decide(self, signal: Signal, state: RoutingState) -> Decision:
+        wanted = self.inner.decide(signal, state)
+        if not wanted.upstream:
+            return wanted
+        need = (1.0 - signal.top1) if wanted.need is None else wanted.need
+        if need * self.answer_value * state.direct_price_usd < state.handoff_price_usd:
+            return Decision(Route.LOCAL, vetoed="price")
+        if self.escalate and self.hand_over_rest(state):
+            return Decision(Route.UPSTREAM, escalate=True, need=need)
+        return wanted
+
+    def hand_over_rest(self, state: RoutingState) -> bool:
+        """The hand-offs the running rate predicts cost at least the upstream writing the rest."""
+        if state.upstream_calls < self.min_calls or state.answer_tokens == 0 or state.rest_price_usd <= 0:
+            return False
+        to_come = state.upstream_calls / state.answer_tokens * state.rest_tokens
+        return to_come * state.handoff_price_usd >= state.rest_price_usd
