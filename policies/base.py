@@ -88,3 +88,25 @@ class PolicyDefaults:
     detailed_signal = False
     routes = True
     wants_warm_up = True
+
+
+class Wrapping:
+    """A policy around an `inner` one that declares what the inner policy declares."""
+
+    inner: Policy
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def detailed_signal(self) -> bool:
+        return self.inner.detailed_signal
+
+    @property
+    def routes(self) -> bool:
+        return self.inner.routes
+
+    @property
+    def wants_warm_up(self) -> bool:
+        return self.inner.wants_warm_up

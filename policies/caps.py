@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from policies.base import Decision, Policy, Route, RoutingState, Signal
+from policies.base import Decision, Policy, Route, RoutingState, Signal, Wrapping
 
 
 @dataclass(frozen=True)
-class Capped:
+class Capped(Wrapping):
     """Per-request caps on upstream answer tokens, upstream share and calls, and the budget left.
 
     `max_share` is checked against the share the answer would have if this step went upstream,
@@ -23,22 +23,6 @@ class Capped:
     max_tokens: int | None = None
     max_share: float | None = None
     max_calls: int | None = None
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def detailed_signal(self) -> bool:
-        return self.inner.detailed_signal
-
-    @property
-    def routes(self) -> bool:
-        return self.inner.routes
-
-    @property
-    def wants_warm_up(self) -> bool:
-        return self.inner.wants_warm_up
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
         wanted = self.inner.decide(signal, state)

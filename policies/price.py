@@ -20,31 +20,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies.base import Decision, Policy, Route, RoutingState, Signal
+from policies.base import Decision, Policy, Route, RoutingState, Signal, Wrapping
 
 
 @dataclass(frozen=True)
-class PriceAware:
+class PriceAware(Wrapping):
     inner: Policy
     answer_value: float = 1.0
     escalate: bool = True
     min_calls: int = 3
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def detailed_signal(self) -> bool:
-        return self.inner.detailed_signal
-
-    @property
-    def routes(self) -> bool:
-        return self.inner.routes
-
-    @property
-    def wants_warm_up(self) -> bool:
-        return self.inner.wants_warm_up
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
         wanted = self.inner.decide(signal, state)
