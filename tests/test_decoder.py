@@ -358,6 +358,15 @@ async def test_a_warm_up_whose_token_is_the_first_hand_off_is_not_called_twice()
     assert decoding.usage.upstream_calls == 1
 
 
+async def test_a_warm_up_in_flight_prices_the_first_hand_off_as_reading_the_prompt_from_the_cache():
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=5, warms=True)  # cached reads at 0.1x
+    local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({0}))
+    # worth 0.3 of the answer: a hand-off re-billing the prompt would not clear the bar, a cached one does
+    decoding, _ = make(local, upstream, policy="entropy", threshold=1.0, ceiling=ceiling(None), answer_value=0.3)
+    await run(decoding)
+    assert decoding.sources[0] == "upstream" and decoding.usage.price_vetoes == 0
+
+
 async def test_warm_up_sends_the_prompt_before_the_first_hand_off_and_is_not_a_hand_off():
     upstream = FakeUpstream("Paris is nice.", chars_per_token=20, warms=True)
     decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, policy="top1", threshold=1.1, span=8)  # routes all

@@ -241,8 +241,10 @@ class Decoding:
         """The state with the next hand-off's predicted prices. The hand-off's prompt is counted as
         the upstream's count of the request's prompt plus the answer's local tokens (no second
         tokenization per step), and at least the previous call's, whose prefix the provider's
-        cache may read."""
-        prices, prompt, reused = self.upstream.prices, self.request.ceiling.prompt_tokens, self._reusable_tokens
+        cache may read; a warm-up in flight has paid for reading the prompt into it already (the
+        hand-off waits for it), so decisions weigh what is left to pay."""
+        prices, prompt = self.upstream.prices, self.request.ceiling.prompt_tokens
+        reused = max(self._reusable_tokens, prompt if self._warming is not None else 0)
         call_prompt, rest = max(prompt + state.answer_tokens, reused), self.limit - state.answer_tokens
         return dataclasses.replace(
             state, rest_tokens=rest,
