@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The price-aware runs of docs/results.md ("Price-aware routing"): the reference pair, upstream as
+# llama-server in tokens mode, warmed; decisions priced with a named sheet (--decision-sheet).
+# answer_value is 1 (a correct answer is worth asking the large model for it), chosen before any
+# run and not tuned. Routers and thresholds as in eval/learned.sh: CommonsenseQA's divergent-label
+# router fitted on rows 200-299, reported on 0-199; GSM8K's fitted on rows 50-99, reported on 0-29
+# here. local, upstream and the price-blind learned configs are the landed records of the same
+# rows and code path (copied, not re-run). Resumable: rerun to continue.
+#   nohup nice -n 15 bash eval/price_aware.sh > eval-price.log 2>&1 &
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+EVAL=".venv/bin/python -m eval"
+CSQA_ROUTER=routers/csqa-divergent-qwen2.5-coder-0.5b.json
+GSM8K_ROUTER=routers/gsm8k-qwen2.5-coder-0.5b.json
+
+csqa() {  # sheet, configs...
+  local run="price_csqa_$1"
+  mkdir -p "results/runs/$run"
+  for config in upstream local learned@0.05 learned@0.1; do
+    cp -n "results/runs/learned_divergent/csqa__$config.jsonl" "results/runs/$run/"
+  done
+  $EVAL run --dataset csqa --rows 0:200 --run-name "$run" --warm --block 10 --router $CSQA_ROUTER \
+    --decision-sheet "$1" --configs "${@:2}"
+}
+csqa frontier-openai learned@0.05,value=1 learned@0.1,value=1
+csqa deepseek learned@0.05,value=1
+
+run=price_gsm8k_frontier-openai
+mkdir -p "results/runs/$run"
+for config in upstream local learned@0.05; do
+  cp -n "results/runs/learned_gsm8k/gsm8k__$config.jsonl" "results/runs/$run/"
+done
+$EVAL run --dataset gsm8k --rows 0:30 --max-tokens 512 --run-name "$run" --warm --block 2 --router $GSM8K_ROUTER \
+  --decision-sheet frontier-openai --configs learned@0.05,value=1
