@@ -40,6 +40,10 @@ class Capped:
     def wants_warm_up(self) -> bool:
         return self.inner.wants_warm_up
 
+    @property
+    def reads_hidden(self) -> bool:
+        return self.inner.reads_hidden
+
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
         wanted = self.inner.decide(signal, state)
         if not wanted.upstream:

@@ -1,0 +1,80 @@
+"""Train an MLP router (policies/mlp_router.py) offline, in numpy.
+
+Rows are steps: the FEATURES of policies/learned.py followed by the local model's last hidden
+state there; labels are the router's training label (mismatch or divergent). One hidden layer of
+ReLU units and a sigmoid output, fitted by Adam on the mean binary cross-entropy with L2 weight
+decay, on standardised inputs. `forward` is the training-side computation; the router file it
+produces must score every row as `forward` does (tests/test_mlp_router.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from policies.mlp_router import MlpRouter
+
+
+@dataclass(frozen=True)
+class MlpParams:
+    w1: np.ndarray
+    b1: np.ndarray
+    w2: np.ndarray
+    b2: float
+    mean: np.ndarray
+    scale: np.ndarray
+
+
+def forward(params: MlpParams, x: np.ndarray) -> np.ndarray:
+    """The model's probabilities for the rows of `x`."""
+    h = np.maximum(((x - params.mean) / params.scale) @ params.w1.T + params.b1, 0.0)
+    return 1.0 / (1.0 + np.exp(-np.clip(h @ params.w2 + params.b2, -500, 500)))
+
+
+def fit_mlp(x: np.ndarray, y: np.ndarray, units: int = 64, epochs: int = 40, batch: int = 256,
+            learning_rate: float = 1e-3, l2: float = 1e-4, seed: int = 0) -> MlpParams:
+    """Fit the MLP on rows `x` and 0/1 labels `y` (deterministic for a seed)."""
+    rng = np.random.default_rng(seed)
+    mean = x.mean(axis=0)
+    scale = x.std(axis=0)
+    scale[scale < 1e-8] = 1.0
+    z = (x - mean) / scale
+    n, d = z.shape
+    weights = {"w1": rng.normal(0.0, np.sqrt(2.0 / d), (units, d)), "b1": np.zeros(units),
+               "w2": rng.normal(0.0, np.sqrt(1.0 / units), units),
+               "b2": np.array(np.log(max(y.mean(), 1e-6) / max(1 - y.mean(), 1e-6)))}  # starts at the base rate
+    moments = {k: (np.zeros_like(v), np.zeros_like(v)) for k, v in weights.items()}
+    beta1, beta2, eps, t = 0.9, 0.999, 1e-8, 0
+    for _ in range(epochs):
+        order = rng.permutation(n)
+        for start in range(0, n, batch):
+            rows = order[start:start + batch]
+            zb, yb = z[rows], y[rows]
+            pre = zb @ weights["w1"].T + weights["b1"]
+            h = np.maximum(pre, 0.0)
+            p = 1.0 / (1.0 + np.exp(-np.clip(h @ weights["w2"] + weights["b2"], -500, 500)))
+            dz = (p - yb) / len(rows)  # d(mean cross-entropy) / d(output logit)
+            dh = np.outer(dz, weights["w2"]) * (pre > 0)
+            grads = {"w1": dh.T @ zb + l2 * weights["w1"], "b1": dh.sum(axis=0),
+                     "w2": h.T @ dz + l2 * weights["w2"], "b2": np.array(dz.sum())}
+            t += 1
+            for key, grad in grads.items():
+                m, v = moments[key]
+                m[...] = beta1 * m + (1 - beta1) * grad
+                v[...] = beta2 * v + (1 - beta2) * grad * grad
+                step = (m / (1 - beta1 ** t)) / (np.sqrt(v / (1 - beta2 ** t)) + eps)
+                weights[key] = weights[key] - learning_rate * step
+    return MlpParams(weights["w1"], weights["b1"], weights["w2"], float(weights["b2"]), mean, scale)
+
+
+def train_mlp(x: np.ndarray, y: np.ndarray, shares: Sequence[float], model_sha256: str, meta: dict[str, Any],
+              **fit: Any) -> MlpRouter:
+    """An MLP router fitted on rows `x` (FEATURES then hidden state) and labels `y`, with score
+    thresholds that route each share of those rows."""
+    params = fit_mlp(x, y, **fit)
+    router = MlpRouter(params.w1, params.b1, params.w2, params.b2, params.mean, params.scale, {}, model_sha256, meta)
+    scores = forward(params, x)
+    return replace(router, shares={float(s): float(np.quantile(scores, 1.0 - s)) for s in shares})
