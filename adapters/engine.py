@@ -103,6 +103,8 @@ class Engine:
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._embeddings = False  # whether the context's embeddings output is on
+        # per-token hidden states need pooling NONE, a generative model's default
+        self.hidden_available = llama_cpp.llama_pooling_type(self._ctx) == llama_cpp.LLAMA_POOLING_TYPE_NONE
         self._n_batch = n_batch
         self._slots = [Slot(index) for index in range(parallel)]
         self._queue_limit = queue_limit
@@ -136,6 +138,8 @@ class Engine:
         `hidden`, each forward also sets `Sequence.hidden`."""
         if not prompt:  # nothing to decode from: its first step would never produce logits
             raise ValueError("a sequence needs at least one prompt token")
+        if hidden and not self.hidden_available:
+            raise ValueError("this model pools its embeddings: it has no per-token hidden state to return")
         self._waiting += 1
         try:
             async with self._freed:
@@ -432,5 +436,4 @@ def _batched_context(llm: Llama, n_ctx: int, parallel: int, n_threads: int, n_ba
     params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx, parallel, True
     params.n_batch = params.n_ubatch = n_batch
     params.n_threads = params.n_threads_batch = n_threads
-    params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE  # hidden states per token, when asked for
     return internals.LlamaContext(model=llm._model, params=params, verbose=False)  # noqa: SLF001
