@@ -92,3 +92,30 @@ async def test_a_sequence_asking_for_hidden_states_among_others_disturbs_nobody(
             assert_same_greedy(batched, single)
     finally:
         solo.close()
+
+
+async def test_teacher_forced_rows_carry_the_analysis_labels_and_features_and_the_hidden_state(
+        smol_path, reference, local):
+    from eval.analysis import TeacherForcer
+    from eval.datasets import Item
+    from eval.hidden_steps import HiddenForcer
+    from policies.learned import FEATURES
+
+    item = Item("q", [{"role": "user", "content": "Count the stairs."}], None)
+    answer = reference.tokenize(TEXT.encode(), add_bos=False)
+    forcer, analysis = HiddenForcer.load(smol_path, 512, 1), TeacherForcer.load(smol_path, 512, 1)
+    try:
+        rows, labels = forcer.steps(item, answer)
+        record = analysis.analyze(item, answer)
+    finally:
+        forcer.close()
+        analysis.close()
+    assert rows.shape == (len(answer), len(FEATURES) + local.n_embd)
+    assert "".join(str(int(label)) for label in labels) == record["mismatch"]
+    assert np.allclose(rows[:, FEATURES.index("entropy")], record["entropy"], atol=2e-3)
+    assert np.allclose(rows[:, FEATURES.index("top1")], record["top1"], atol=2e-3)
+    tokens = local.tokenize_prompt(local.template.render_parts(item.messages))
+    async with local.sequence(tokens, hidden=True) as sequence:  # what the gateway will read live
+        for position in range(len(answer)):
+            await sequence.forward(tokens + answer[:position])
+            assert relative(rows[position, len(FEATURES):], sequence.hidden) < HIDDEN_NOISE
