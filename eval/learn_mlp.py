@@ -9,7 +9,7 @@ produces must score every row as `forward` does (tests/test_mlp_router.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,8 +35,10 @@ def forward(params: MlpParams, x: np.ndarray) -> np.ndarray:
 
 
 def fit_mlp(x: np.ndarray, y: np.ndarray, units: int = 64, epochs: int = 40, batch: int = 256,
-            learning_rate: float = 1e-3, l2: float = 1e-4, seed: int = 0) -> MlpParams:
-    """Fit the MLP on rows `x` and 0/1 labels `y` (deterministic for a seed)."""
+            learning_rate: float = 1e-3, l2: float = 1e-4, seed: int = 0,
+            on_epoch: Callable[[int, MlpParams], None] | None = None) -> MlpParams:
+    """Fit the MLP on rows `x` and 0/1 labels `y` (deterministic for a seed); `on_epoch` sees the
+    parameters after each epoch (1, 2, ...)."""
     rng = np.random.default_rng(seed)
     mean = x.mean(axis=0)
     scale = x.std(axis=0)
@@ -48,7 +50,7 @@ def fit_mlp(x: np.ndarray, y: np.ndarray, units: int = 64, epochs: int = 40, bat
                "b2": np.array(np.log(max(y.mean(), 1e-6) / max(1 - y.mean(), 1e-6)))}  # starts at the base rate
     moments = {k: (np.zeros_like(v), np.zeros_like(v)) for k, v in weights.items()}
     beta1, beta2, eps, t = 0.9, 0.999, 1e-8, 0
-    for _ in range(epochs):
+    for epoch in range(1, epochs + 1):
         order = rng.permutation(n)
         for start in range(0, n, batch):
             rows = order[start:start + batch]
@@ -67,6 +69,8 @@ def fit_mlp(x: np.ndarray, y: np.ndarray, units: int = 64, epochs: int = 40, bat
                 v[...] = beta2 * v + (1 - beta2) * grad * grad
                 step = (m / (1 - beta1 ** t)) / (np.sqrt(v / (1 - beta2 ** t)) + eps)
                 weights[key] = weights[key] - learning_rate * step
+        if on_epoch is not None:
+            on_epoch(epoch, MlpParams(weights["w1"], weights["b1"], weights["w2"], float(weights["b2"]), mean, scale))
     return MlpParams(weights["w1"], weights["b1"], weights["w2"], float(weights["b2"]), mean, scale)
 
 

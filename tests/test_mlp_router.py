@@ -122,3 +122,29 @@ async def test_the_decoder_asks_for_the_hidden_state_only_for_a_policy_that_read
     with pytest.raises(ValueError, match="hidden state"):
         build_policy("learned", target_fraction=0.1, router=router).decide(
             signal_of(np.zeros(4), 0, lambda t: "word"), RoutingState())
+
+
+def test_the_comparison_fits_on_train_rows_reports_on_dev_rows_and_writes_a_router(tmp_path):
+    from eval.hidden_router import main as compare_main
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"q{i}", "answer": "#### 1"}) + "\n" for i in range(40)))
+    runs, cache = tmp_path / "runs", tmp_path / "cache"
+    for run, rows, seed in (("train", range(30), 0), ("dev", range(10), 1)):
+        (runs / run).mkdir(parents=True)
+        (runs / run / "gsm8k__upstream.jsonl").write_text(
+            "".join(json.dumps({"id": f"gsm8k-{i}", "tokens": [1, 2]}) + "\n" for i in rows))
+        (cache / run).mkdir(parents=True)
+        for i in rows:  # the teacher-forced rows, as if made before: no model is loaded
+            x, y, _ = synthetic_steps(150, seed * 1000 + i)
+            np.savez(cache / run / f"gsm8k-gsm8k-{i}.npz", x=x.astype(np.float32), y=y)
+    out = tmp_path / "mlp.json"
+    assert compare_main(["--train-run", "train", "--train-data", str(data), "--dev-run", "dev", "--dev-rows", "0:10",
+                         "--runs-dir", str(runs), "--cache", str(cache), "--out-router", str(out),
+                         "--share", "0.1", "0.5"]) == 0
+    report = json.loads((runs / "train" / "hidden_router_gsm8k.json").read_text())
+    assert report["train"]["answers"] == 30 and report["dev"]["positions"] == 1500
+    found = report["dev_auroc"]
+    assert found["mlp (scalars + hidden)"] > 0.85 > found["logistic (scalars)"] + 0.2  # the XOR is in the hidden state
+    router = Router.load(out, report["local_model_sha256"])
+    assert isinstance(router, MlpRouter) and router.meta["fit"]["answers"] == 30 and set(router.shares) == {0.1, 0.5}
