@@ -119,3 +119,35 @@ async def test_teacher_forced_rows_carry_the_analysis_labels_and_features_and_th
         for position in range(len(answer)):
             await sequence.forward(tokens + answer[:position])
             assert relative(rows[position, len(FEATURES):], sequence.hidden) < HIDDEN_NOISE
+
+
+async def test_an_mlp_router_reads_the_hidden_state_the_engine_returns_while_decoding(local):
+    from adapters.store import Limits, MemoryStore
+    from gateway.admission.budget import HandoffGate, Ledger
+    from gateway.decoding.decoder import DecodeRequest, Decoding
+    from policies import build_policy
+    from policies.learned import FEATURES
+    from policies.mlp_router import MlpRouter
+
+    rng = np.random.default_rng(0)
+    inputs = len(FEATURES) + local.n_embd
+    router = MlpRouter(rng.normal(0, 0.05, (8, inputs)), np.zeros(8), rng.normal(0, 0.1, 8), 0.0,
+                       np.zeros(inputs), np.ones(inputs), {0.1: 0.5}, "sha", {})
+    scored = []
+
+    class Keeping(type(router)):  # the same router, keeping each step's input
+        def score_signal(self, signal):
+            scored.append(self.inputs(signal))
+            return super().score_signal(signal)
+
+    keeping = Keeping(router.w1, router.b1, router.w2, router.b2, router.mean, router.scale, router.shares, "sha", {})
+    request = DecodeRequest(messages=[{"role": "user", "content": "Name three colours."}], max_tokens=6,
+                            policy=build_policy("learned", threshold=2.0, router=keeping))  # never above 1: local
+    decoding = Decoding(local, None, HandoffGate(Ledger(MemoryStore()), "t", Limits(), allowed=True), request)
+    [piece async for piece in decoding.pieces()]
+    assert len(decoding.answer_tokens) == 6 and len(scored) == 6
+    assert all(x.shape == (inputs,) and np.isfinite(x).all() for x in scored)
+    tokens = local.tokenize_prompt(local.template.render_parts(request.messages))
+    async with local.sequence(tokens, hidden=True) as sequence:  # the first step's hidden state, again
+        await sequence.forward(tokens)
+        assert relative(scored[0][len(FEATURES):], sequence.hidden) < HIDDEN_NOISE
