@@ -32,7 +32,7 @@ from eval.hidden_steps import HiddenForcer
 from eval.learn import fit_logistic
 from eval.learn_mlp import MlpParams, fit_mlp, forward, train_mlp
 from eval.records import read_records, records_path, write_json
-from policies.learned import FEATURES
+from policies.learned import FEATURES, Router
 
 RUNS_DIR = Path(__file__).resolve().parent.parent / "results" / "runs"
 CACHE_DIR = Path.home() / ".cache" / "routing-gateway" / "hidden-steps"
@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-router", type=Path, help="write the scalars + hidden MLP router here")
     parser.add_argument("--cache", type=Path, default=CACHE_DIR)
     parser.add_argument("--runs-dir", type=Path, default=RUNS_DIR)
+    parser.add_argument("--baseline-router", type=Path, action="append", default=[],
+                        help="also score the dev rows with this logistic router file (fitted elsewhere)")
     args = parser.parse_args(argv)
 
     started = time.monotonic()
@@ -126,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         "1-top1": auroc(-dev_x[:, FEATURES.index("top1")], dev_labels),
         "-margin": auroc(-dev_x[:, FEATURES.index("margin")], dev_labels),
     }
+    for path in args.baseline_router:
+        baseline = Router.load(path, model_sha256(args.local))
+        found[f"logistic {path.name}"] = auroc([baseline.score(row) for row in dev_x[:, :SCALARS].astype(float)],
+                                              dev_labels)
     logistic = fit_logistic(x[:, :SCALARS].astype(float), y)
     found["logistic (scalars)"] = auroc(_logistic_scores(*logistic, dev_x[:, :SCALARS]), dev_labels)
     scalar_fit = choose_fit(x[:, :SCALARS].astype(float), y, answers)

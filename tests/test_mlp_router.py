@@ -141,10 +141,12 @@ def test_the_comparison_fits_on_train_rows_reports_on_dev_rows_and_writes_a_rout
     out = tmp_path / "mlp.json"
     assert compare_main(["--train-run", "train", "--train-data", str(data), "--dev-run", "dev", "--dev-rows", "0:10",
                          "--runs-dir", str(runs), "--cache", str(cache), "--out-router", str(out),
-                         "--share", "0.1", "0.5"]) == 0
+                         "--share", "0.1", "0.5",
+                         "--baseline-router", str(ROUTERS / "gsm8k-qwen2.5-coder-0.5b.json")]) == 0
     report = json.loads((runs / "train" / "hidden_router_gsm8k.json").read_text())
     assert report["train"]["answers"] == 30 and report["dev"]["positions"] == 1500
     found = report["dev_auroc"]
     assert found["mlp (scalars + hidden)"] > 0.85 > found["logistic (scalars)"] + 0.2  # the XOR is in the hidden state
+    assert 0 <= found["logistic gsm8k-qwen2.5-coder-0.5b.json"] <= 1
     router = Router.load(out, report["local_model_sha256"])
     assert isinstance(router, MlpRouter) and router.meta["fit"]["answers"] == 30 and set(router.shares) == {0.1, 0.5}
