@@ -150,3 +150,20 @@ def test_the_comparison_fits_on_train_rows_reports_on_dev_rows_and_writes_a_rout
     assert 0 <= found["logistic gsm8k-qwen2.5-coder-0.5b.json"] <= 1
     router = Router.load(out, report["local_model_sha256"])
     assert isinstance(router, MlpRouter) and router.meta["fit"]["answers"] == 30 and set(router.shares) == {0.1, 0.5}
+
+
+def test_the_thresholds_command_refuses_an_mlp_router(trained, tmp_path, capsys):
+    from eval.__main__ import main as eval_main
+    from tests.fakes import synthetic
+
+    router, *_ = trained
+    source = tmp_path / "mlp.json"
+    source.write_text(json.dumps(router.to_json()))
+    analysis = tmp_path / "runs" / "r" / "analysis" / "gsm8k.local.jsonl"
+    analysis.parent.mkdir(parents=True)
+    analysis.write_text("".join(json.dumps({**record, "id": f"gsm8k-{row}", "row": row}) + "\n"
+                                for row, record in enumerate(synthetic(5, 3))))
+    assert eval_main(["thresholds", "--dataset", "gsm8k", "--run-name", "r", "--runs-dir", str(tmp_path / "runs"),
+                      "--router", str(source), "--share", "0.2", "--out", str(tmp_path / "out.json"),
+                      "--fit-rows", "0:5"]) == 2
+    assert "eval.hidden_router" in capsys.readouterr().err
