@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,15 +31,15 @@ from eval.analysis import auroc
 from eval.datasets import load_items
 from eval.hidden_steps import HiddenForcer
 from eval.learn import fit_logistic
-from eval.learn_mlp import MlpParams, fit_mlp, forward, train_mlp
+from eval.learn_mlp import SCALARS, MlpParams, fit_mlp, forward, projection, reduce, train_mlp
 from eval.records import read_records, records_path, write_json
 from policies.learned import FEATURES, Router
 
 RUNS_DIR = Path(__file__).resolve().parent.parent / "results" / "runs"
 CACHE_DIR = Path.home() / ".cache" / "routing-gateway" / "hidden-steps"
 LOCAL = "qwen2.5-coder-0.5b-instruct"
-SCALARS = len(FEATURES)
 UNITS, LEARNING_RATE = 64, 3e-3
+PCAS = (16, 64, None)  # hidden-state projections tried (None: the whole state)
 
 
 def rows_of(forcer: Callable[[], HiddenForcer], run_dir: Path, dataset: str, data: Path | None, rows: str | None,
@@ -66,25 +67,31 @@ def _logistic_scores(weights: np.ndarray, bias: float, mean: np.ndarray, scale: 
     return 1.0 / (1.0 + np.exp(-np.clip(((x - mean) / scale) @ weights + bias, -500, 500)))
 
 
-def choose_fit(x: np.ndarray, y: np.ndarray, answers: np.ndarray, epochs: int = 30,
-               seed: int = 0) -> dict[str, float]:
-    """The MLP settings (weight decay, epochs) with the best AUROC on a fifth of the train answers
-    held out: train rows only, the dev rows are never looked at."""
+def choose_fit(x: np.ndarray, y: np.ndarray, answers: np.ndarray, pcas: tuple[int | None, ...] = (None,),
+               epochs: int = 30, seed: int = 0) -> dict[str, Any]:
+    """The MLP settings (hidden-state projection, weight decay, epochs) with the best AUROC on a
+    fifth of the train answers held out: train rows only, the dev rows are never looked at."""
     rng = np.random.default_rng(seed)
     held = np.isin(answers, rng.choice(answers.max() + 1, size=max(1, (answers.max() + 1) // 5), replace=False))
-    best: dict[str, float] = {"held_out_train_auroc": -1.0}
-    for l2 in (1e-4, 1e-3, 1e-2):
-        def judge(epoch: int, params: MlpParams, l2: float = l2) -> None:
-            found = auroc(forward(params, x[held]), y[held].astype(bool))
-            if found > best["held_out_train_auroc"]:
-                best.update(units=UNITS, epochs=epoch, l2=l2, learning_rate=LEARNING_RATE, held_out_train_auroc=found)
+    best: dict[str, Any] = {"held_out_train_auroc": -1.0}
+    for pca in pcas:
+        fit_x, held_x = x[~held], x[held]
+        if pca:
+            basis = projection(fit_x[:, SCALARS:], pca)
+            fit_x, held_x = reduce(fit_x, basis), reduce(held_x, basis)
+        for l2 in (1e-4, 1e-3, 1e-2, 1e-1):
+            def judge(epoch: int, params: MlpParams, l2: float = l2, pca: int | None = pca) -> None:
+                found = auroc(forward(params, held_x), y[held].astype(bool))
+                if found > best["held_out_train_auroc"]:
+                    best.update(pca=pca, units=UNITS, epochs=epoch, l2=l2, learning_rate=LEARNING_RATE,
+                                held_out_train_auroc=found)
 
-        fit_mlp(x[~held], y[~held], units=UNITS, epochs=epochs, l2=l2, learning_rate=LEARNING_RATE, on_epoch=judge)
+            fit_mlp(fit_x, y[~held], units=UNITS, epochs=epochs, l2=l2, learning_rate=LEARNING_RATE, on_epoch=judge)
     return best
 
 
-def _settings(chosen: dict[str, float]) -> dict[str, float]:
-    return {k: v for k, v in chosen.items() if k != "held_out_train_auroc"}
+def _settings(chosen: dict[str, Any], *left_out: str) -> dict[str, Any]:
+    return {k: v for k, v in chosen.items() if k not in ("held_out_train_auroc", *left_out)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     logistic = fit_logistic(x[:, :SCALARS].astype(float), y)
     found["logistic (scalars)"] = auroc(_logistic_scores(*logistic, dev_x[:, :SCALARS]), dev_labels)
     scalar_fit = choose_fit(x[:, :SCALARS].astype(float), y, answers)
-    scalar_mlp = fit_mlp(x[:, :SCALARS].astype(float), y, **_settings(scalar_fit))
+    scalar_mlp = fit_mlp(x[:, :SCALARS].astype(float), y, **_settings(scalar_fit, "pca"))
     found["mlp (scalars)"] = auroc(forward(scalar_mlp, dev_x[:, :SCALARS]), dev_labels)
-    hidden_fit = choose_fit(x.astype(float), y, answers)
+    hidden_fit = choose_fit(x.astype(float), y, answers, PCAS)
     sha = model_sha256(args.local)
     command = "python -m eval.hidden_router " + " ".join(argv if argv is not None else sys.argv[1:])
     router = train_mlp(x.astype(float), y, args.share, sha, {

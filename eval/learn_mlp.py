@@ -5,6 +5,11 @@ state there; labels are the router's training label (mismatch or divergent). One
 ReLU units and a sigmoid output, fitted by Adam on the mean binary cross-entropy with L2 weight
 decay, on standardised inputs. `forward` is the training-side computation; the router file it
 produces must score every row as `forward` does (tests/test_mlp_router.py).
+
+With few training rows an MLP over ~900 hidden dimensions overfits, so the hidden state may first
+be projected on its leading principal directions (`pca`). The projection is linear, so it folds
+into the first layer: the router file still reads the raw hidden state, and its format and
+serving cost do not change.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from policies.learned import FEATURES
 from policies.mlp_router import MlpRouter
+
+SCALARS = len(FEATURES)  # a row's leading columns; the hidden state follows
 
 
 @dataclass(frozen=True)
@@ -74,11 +82,47 @@ def fit_mlp(x: np.ndarray, y: np.ndarray, units: int = 64, epochs: int = 40, bat
     return MlpParams(weights["w1"], weights["b1"], weights["w2"], float(weights["b2"]), mean, scale)
 
 
+@dataclass(frozen=True)
+class Projection:
+    """The hidden state's leading principal directions on training rows, each scaled so that the
+    projected rows have unit variance."""
+
+    mean: np.ndarray  # (hidden,)
+    components: np.ndarray  # (k, hidden)
+
+
+def projection(hidden: np.ndarray, k: int) -> Projection:
+    """The first `k` principal directions of the rows of `hidden`."""
+    mean = hidden.mean(axis=0)
+    _, singular, directions = np.linalg.svd(hidden - mean, full_matrices=False)
+    spread = np.maximum(singular[:k] / np.sqrt(len(hidden)), 1e-8)
+    return Projection(mean, directions[:k] / spread[:, None])
+
+
+def reduce(x: np.ndarray, basis: Projection) -> np.ndarray:
+    """Rows of FEATURES then the hidden state's coordinates on `basis`."""
+    return np.hstack([x[:, :SCALARS], (x[:, SCALARS:] - basis.mean) @ basis.components.T])
+
+
+def fold(params: MlpParams, basis: Projection) -> MlpParams:
+    """`params` fitted on `reduce`d rows, as parameters over whole rows that compute the same scores."""
+    w_hidden = params.w1[:, SCALARS:] / params.scale[SCALARS:]
+    return MlpParams(np.hstack([params.w1[:, :SCALARS], w_hidden @ basis.components]),
+                     params.b1 - w_hidden @ params.mean[SCALARS:], params.w2, params.b2,
+                     np.concatenate([params.mean[:SCALARS], basis.mean]),
+                     np.concatenate([params.scale[:SCALARS], np.ones(len(basis.mean))]))
+
+
 def train_mlp(x: np.ndarray, y: np.ndarray, shares: Sequence[float], model_sha256: str, meta: dict[str, Any],
-              **fit: Any) -> MlpRouter:
-    """An MLP router fitted on rows `x` (FEATURES then hidden state) and labels `y`, with score
-    thresholds that route each share of those rows."""
-    params = fit_mlp(x, y, **fit)
+              pca: int | None = None, **fit: Any) -> MlpRouter:
+    """An MLP router fitted on rows `x` (FEATURES then hidden state) and labels `y`, the hidden
+    state projected on its first `pca` principal directions if given, with score thresholds that
+    route each share of those rows."""
+    if pca:
+        basis = projection(x[:, SCALARS:], pca)
+        params = fold(fit_mlp(reduce(x, basis), y, **fit), basis)
+    else:
+        params = fit_mlp(x, y, **fit)
     router = MlpRouter(params.w1, params.b1, params.w2, params.b2, params.mean, params.scale, {}, model_sha256, meta)
     scores = forward(params, x)
     return replace(router, shares={float(s): float(np.quantile(scores, 1.0 - s)) for s in shares})

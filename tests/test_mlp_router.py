@@ -10,7 +10,7 @@ import pytest
 
 from adapters.store import Limits, MemoryStore
 from eval.analysis import auroc
-from eval.learn_mlp import fit_mlp, forward, train_mlp
+from eval.learn_mlp import SCALARS, fit_mlp, forward, projection, reduce, train_mlp
 from gateway.admission.budget import HandoffGate, Ledger
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import signal_of
@@ -167,3 +167,13 @@ def test_the_thresholds_command_refuses_an_mlp_router(trained, tmp_path, capsys)
                       "--router", str(source), "--share", "0.2", "--out", str(tmp_path / "out.json"),
                       "--fit-rows", "0:5"]) == 2
     assert "eval.hidden_router" in capsys.readouterr().err
+
+
+def test_a_hidden_state_projected_for_training_folds_into_the_router_file():
+    x, y, signals = synthetic_steps(800, 3)
+    basis = projection(x[:, SCALARS:], 4)
+    params = fit_mlp(reduce(x, basis), y, **FIT)  # what training computes, on 12 + 4 inputs
+    router = train_mlp(x, y, [0.5], "sha", {}, pca=4, **FIT)
+    assert router.w1.shape == (FIT["units"], len(FEATURES) + HIDDEN)  # served on the raw hidden state
+    served = np.array([router.score_signal(signal) for signal in signals])
+    assert np.allclose(served, forward(params, reduce(x, basis)), rtol=1e-7, atol=1e-10)
