@@ -90,6 +90,20 @@ def choose_fit(x: np.ndarray, y: np.ndarray, answers: np.ndarray, pcas: tuple[in
     return best
 
 
+def auroc_gain(better: np.ndarray, worse: np.ndarray, labels: np.ndarray, answers: np.ndarray,
+               resamples: int = 200, seed: int = 0) -> dict[str, float]:
+    """AUROC(better) - AUROC(worse) on these rows, with a 95% percentile bootstrap interval over
+    answers (positions of one answer are not independent)."""
+    rng = np.random.default_rng(seed)
+    rows_of_answer = [np.flatnonzero(answers == a) for a in np.unique(answers)]
+    gains = []
+    for _ in range(resamples):
+        rows = np.concatenate([rows_of_answer[i] for i in rng.integers(0, len(rows_of_answer), len(rows_of_answer))])
+        gains.append(auroc(better[rows], labels[rows]) - auroc(worse[rows], labels[rows]))
+    low, high = np.nanpercentile(gains, [2.5, 97.5])
+    return {"gain": auroc(better, labels) - auroc(worse, labels), "low": float(low), "high": float(high)}
+
+
 def _settings(chosen: dict[str, Any], *left_out: str) -> dict[str, Any]:
     return {k: v for k, v in chosen.items() if k not in ("held_out_train_auroc", *left_out)}
 
@@ -124,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         x, y, answers = rows_of(forcer, args.runs_dir / args.train_run, args.dataset, args.train_data,
                                 args.train_rows, args.cache)
-        dev_x, dev_y, _ = rows_of(forcer, args.runs_dir / args.dev_run, args.dataset, None, args.dev_rows, args.cache)
+        dev_x, dev_y, dev_answers = rows_of(forcer, args.runs_dir / args.dev_run, args.dataset, None, args.dev_rows, args.cache)
     finally:
         for model in loaded:
             model.close()
@@ -140,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         found[f"logistic {path.name}"] = auroc([baseline.score(row) for row in dev_x[:, :SCALARS].astype(float)],
                                               dev_labels)
     logistic = fit_logistic(x[:, :SCALARS].astype(float), y)
-    found["logistic (scalars)"] = auroc(_logistic_scores(*logistic, dev_x[:, :SCALARS]), dev_labels)
+    logistic_scores = _logistic_scores(*logistic, dev_x[:, :SCALARS])
+    found["logistic (scalars)"] = auroc(logistic_scores, dev_labels)
     scalar_fit = choose_fit(x[:, :SCALARS].astype(float), y, answers)
     scalar_mlp = fit_mlp(x[:, :SCALARS].astype(float), y, **_settings(scalar_fit, "pca"))
-    found["mlp (scalars)"] = auroc(forward(scalar_mlp, dev_x[:, :SCALARS]), dev_labels)
+    scalar_scores = forward(scalar_mlp, dev_x[:, :SCALARS])
+    found["mlp (scalars)"] = auroc(scalar_scores, dev_labels)
     hidden_fit = choose_fit(x.astype(float), y, answers, PCAS)
     sha = model_sha256(args.local)
     command = "python -m eval.hidden_router " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -151,13 +167,16 @@ def main(argv: list[str] | None = None) -> int:
         "command": command, "labels": "mismatch (local greedy token != upstream token, teacher-forced)",
         "fit": {"run": args.train_run, "rows": args.train_rows or "all answered", "answers": int(answers.max() + 1),
                 "positions": int(len(y)), **hidden_fit}}, **_settings(hidden_fit))
-    found["mlp (scalars + hidden)"] = auroc([router.score(row) for row in dev_x.astype(float)], dev_labels)
+    hidden_scores = np.array([router.score(row) for row in dev_x.astype(float)])
+    found["mlp (scalars + hidden)"] = auroc(hidden_scores, dev_labels)
+    gains = {"over logistic (scalars)": auroc_gain(hidden_scores, logistic_scores, dev_labels, dev_answers),
+             "over mlp (scalars)": auroc_gain(hidden_scores, scalar_scores, dev_labels, dev_answers)}
     report = {"dataset": args.dataset, "local_model_sha256": sha, "label": "mismatch",
               "train": {"run": args.train_run, "rows": args.train_rows, "answers": int(answers.max() + 1),
                         "positions": int(len(y)), "mismatch_share": float(y.mean())},
               "dev": {"run": args.dev_run, "rows": args.dev_rows, "positions": int(len(dev_y)),
                       "mismatch_share": float(dev_y.mean())},
-              "dev_auroc": found, "mlp_settings": {"scalars": scalar_fit, "scalars + hidden": hidden_fit},
+              "dev_auroc": found, "mlp (scalars + hidden) dev_auroc_gain": gains, "mlp_settings": {"scalars": scalar_fit, "scalars + hidden": hidden_fit},
               "rows_seconds": round(rows_s, 1), "command": command}
     write_json(args.runs_dir / args.train_run / f"hidden_router_{args.dataset}.json", report)
     if args.out_router:

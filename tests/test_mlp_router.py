@@ -148,6 +148,8 @@ def test_the_comparison_fits_on_train_rows_reports_on_dev_rows_and_writes_a_rout
     found = report["dev_auroc"]
     assert found["mlp (scalars + hidden)"] > 0.85 > found["logistic (scalars)"] + 0.2  # the XOR is in the hidden state
     assert 0 <= found["logistic gsm8k-qwen2.5-coder-0.5b.json"] <= 1
+    gain = report["mlp (scalars + hidden) dev_auroc_gain"]["over logistic (scalars)"]
+    assert gain["low"] > 0.1 and gain["low"] <= gain["gain"] <= gain["high"]  # bootstrapped over dev answers
     router = Router.load(out, report["local_model_sha256"])
     assert isinstance(router, MlpRouter) and router.meta["fit"]["answers"] == 30 and set(router.shares) == {0.1, 0.5}
 
