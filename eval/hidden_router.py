@@ -9,9 +9,9 @@ position is teacher-forced through the local model with its hidden state (eval/h
 the rows are cached outside the repository, they are large and can be made again). On the train
 rows only, this fits a logistic router on the twelve scalar FEATURES (eval/learn.py's), an MLP on
 the scalars alone and an MLP on scalars + hidden state (eval/learn_mlp.py); it reports each
-one's AUROC for the mismatch label on the dev rows, beside the fixed signals', writes the
-comparison as JSON and the scalars + hidden MLP as a router file with thresholds fitted on the
-train rows.
+one's AUROC for the mismatch label on the dev rows, beside the fixed signals', and writes the
+comparison as JSON (hidden_router_<dataset>_dev<rows>.json in the train run) and the scalars +
+hidden MLP as a router file with thresholds fitted on the train rows.
 """
 
 from __future__ import annotations
@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                       "mismatch_share": float(dev_y.mean())},
               "dev_auroc": found, "mlp (scalars + hidden) dev_auroc_gain": gains, "mlp_settings": {"scalars": scalar_fit, "scalars + hidden": hidden_fit},
               "rows_seconds": round(rows_s, 1), "command": command}
-    write_json(args.runs_dir / args.train_run / f"hidden_router_{args.dataset}.json", report)
+    rows = args.dev_rows.replace(":", "-")
+    write_json(args.runs_dir / args.train_run / f"hidden_router_{args.dataset}_dev{rows}.json", report)
     if args.out_router:
         args.out_router.write_text(json.dumps(router.to_json()) + "\n")
     print(json.dumps(report, indent=1))

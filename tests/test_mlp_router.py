@@ -143,7 +143,7 @@ def test_the_comparison_fits_on_train_rows_reports_on_dev_rows_and_writes_a_rout
                          "--runs-dir", str(runs), "--cache", str(cache), "--out-router", str(out),
                          "--share", "0.1", "0.5",
                          "--baseline-router", str(ROUTERS / "gsm8k-qwen2.5-coder-0.5b.json")]) == 0
-    report = json.loads((runs / "train" / "hidden_router_gsm8k.json").read_text())
+    report = json.loads((runs / "train" / "hidden_router_gsm8k_dev0-10.json").read_text())
     assert report["train"]["answers"] == 30 and report["dev"]["positions"] == 1500
     found = report["dev_auroc"]
     assert found["mlp (scalars + hidden)"] > 0.85 > found["logistic (scalars)"] + 0.2  # the XOR is in the hidden state
