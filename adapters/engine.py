@@ -14,6 +14,14 @@ is copied with `llama_memory_seq_cp`, which shares the KV cells instead of recom
 Both happen only within one cache scope (a tenant, or the tenants that share): a prompt that
 another tenant's cached prefix would have sped up is evaluated in full, so its time to first
 token says nothing about what other tenants asked.
+
+A sequence opened with `hidden=True` also gets, with each step's logits, the local model's last
+hidden state there (after the final norm: what the output layer reads), for routers that read it.
+llama.cpp returns hidden states only from a decode with embeddings on, and such a decode makes
+every token of its batch an output (logits included), so embeddings are turned on only for a
+decode in which some sequence wants one. When such a sequence's last token meets prefill in a
+step, the prefill is decoded first with embeddings off and the wanting sequences' last tokens get
+a decode of their own; a step with no such sequence decodes exactly as before.
 """
 
 from __future__ import annotations
@@ -76,6 +84,7 @@ class _Job:
     tokens: list[int]
     future: concurrent.futures.Future
     scope: str  # its request's cache scope: it shares KV cells only with slots that hold this scope's tokens
+    hidden: bool = False  # also return the last hidden state with the logits
     todo: list[int] | None = None  # tokens still to evaluate, set when the job starts
 
 
@@ -86,12 +95,16 @@ class Engine:
                  queue_limit: int) -> None:
         self.n_ctx = n_ctx  # per sequence
         self.n_vocab = llm.n_vocab()
+        self.n_embd = llama_cpp.llama_model_n_embd_out(llm._model.model)  # noqa: SLF001 - the hidden state's size
         self._context = _batched_context(llm, n_ctx * parallel, parallel, n_threads, n_batch)
         self._ctx = self._context.ctx
         self._threadpool = Threadpool(n_threads)
         self._threadpool.attach(self._ctx)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self._embeddings = False  # whether the context's embeddings output is on
+        # per-token hidden states need pooling NONE, a generative model's default
+        self.hidden_available = llama_cpp.llama_pooling_type(self._ctx) == llama_cpp.LLAMA_POOLING_TYPE_NONE
         self._n_batch = n_batch
         self._slots = [Slot(index) for index in range(parallel)]
         self._queue_limit = queue_limit
@@ -120,16 +133,19 @@ class Engine:
             raise QueueFull(f"{self._waiting} requests are waiting for the local model")
 
     @contextlib.asynccontextmanager
-    async def sequence(self, prompt: list[int], scope: str = "") -> AsyncIterator["Sequence"]:
-        """A sequence of its own for one request in cache `scope`, until the block exits."""
+    async def sequence(self, prompt: list[int], scope: str = "", hidden: bool = False) -> AsyncIterator["Sequence"]:
+        """A sequence of its own for one request in cache `scope`, until the block exits; with
+        `hidden`, each forward also sets `Sequence.hidden`."""
         if not prompt:  # nothing to decode from: its first step would never produce logits
             raise ValueError("a sequence needs at least one prompt token")
+        if hidden and not self.hidden_available:
+            raise ValueError("this model pools its embeddings: it has no per-token hidden state to return")
         self._waiting += 1
         try:
             async with self._freed:
                 await self._freed.wait_for(lambda: any(slot.owner is None for slot in self._slots))
                 slot = max((s for s in self._slots if s.owner is None), key=lambda s: self._fit(s, prompt, scope))
-                sequence = Sequence(self, slot, scope)
+                sequence = Sequence(self, slot, scope, hidden)
                 slot.owner, slot.prompt = sequence, len(prompt)
         finally:
             self._waiting -= 1
@@ -148,11 +164,13 @@ class Engine:
         shared = common_prefix(slot.held, prompt) if slot.held_scope == scope else 0
         return shared - (len(slot.held) - shared)
 
-    def _submit(self, slot: Slot, owner: object, tokens: list[int], scope: str) -> concurrent.futures.Future:
+    def _submit(self, slot: Slot, owner: object, tokens: list[int], scope: str,
+                hidden: bool = False) -> concurrent.futures.Future:
+        """A job whose future resolves to (logits, hidden state or None)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             self._expected.discard(slot.id)
-            self._pending.append(_Job(slot, owner, tokens, future, scope))
+            self._pending.append(_Job(slot, owner, tokens, future, scope, hidden))
             self._cond.notify()
         return future
 
@@ -267,12 +285,31 @@ class Engine:
         job.todo = tokens[keep:]
 
     def _step(self, jobs: list[_Job]) -> list[_Job]:
-        """One llama_decode over the jobs; returns those with prefill left."""
-        placed = self._fill_batch(jobs)
+        """One step over the jobs (one llama_decode, or two when a sequence that wants its hidden
+        state meets prefill); returns those with prefill left."""
+        wanting = {job for job in jobs if job.hidden}
+        if not wanting:
+            return self._decode(jobs)
+        if all(len(job.todo) == 1 for job in jobs):  # every token is an output anyway
+            return self._decode(jobs, embeddings=True)
+        # With embeddings on llama.cpp would output (and compute logits for) every prefill token.
+        left = self._decode(jobs, hold=wanting)
+        last = [job for job in left if job in wanting and len(job.todo) == 1 and not job.future.done()]
+        if not last:
+            return left
+        return self._decode(last, embeddings=True) + [job for job in left if job not in last]
+
+    def _decode(self, jobs: list[_Job], embeddings: bool = False, hold: set[_Job] = frozenset()) -> list[_Job]:
+        """One llama_decode over the jobs, except the last token of those in `hold`; returns
+        those with tokens left."""
+        if embeddings != self._embeddings:
+            llama_cpp.llama_set_embeddings(self._ctx, embeddings)
+            self._embeddings = embeddings
+        placed = self._fill_batch(jobs, hold)
         status = llama_cpp.llama_decode(self._ctx, self._batch)
         if status == 1 and self._trim_idle(0):  # the KV cache is full: drop finished requests' tokens
             self._undo(placed)
-            placed = self._fill_batch(jobs)
+            placed = self._fill_batch(jobs, hold)
             status = llama_cpp.llama_decode(self._ctx, self._batch)
         self.steps += 1
         self.evaluated += self._batch.n_tokens
@@ -286,16 +323,18 @@ class Engine:
             for job, start, index in placed:
                 if not job.todo and index is not None:
                     self._expected.add(job.slot.id)
-                    job.future.set_result(self._logits(index))
+                    hidden = self._hidden(index) if embeddings and job.hidden else None
+                    job.future.set_result((self._logits(index), hidden))
         return [job for job in jobs if job.todo]
 
-    def _fill_batch(self, jobs: list[_Job]) -> list[tuple[_Job, int, int | None]]:
-        """Put each job's next tokens in the batch (decode steps first, then prefill chunks);
-        returns (job, where its tokens started, batch index of its logits or None)."""
+    def _fill_batch(self, jobs: list[_Job], hold: set[_Job] = frozenset()) -> list[tuple[_Job, int, int | None]]:
+        """Put each job's next tokens in the batch (decode steps first, then prefill chunks), all
+        but the last for jobs in `hold`; returns (job, where its tokens started, batch index of
+        its logits or None)."""
         batch, budget, placed = self._batch, self._n_batch, []
         batch.n_tokens = 0
         for job in sorted(jobs, key=lambda j: len(j.todo)):
-            take = min(len(job.todo), budget)
+            take = min(len(job.todo) - (job in hold), budget)
             if take == 0:
                 continue
             start = len(job.slot.held)
@@ -333,17 +372,26 @@ class Engine:
         view = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, index), shape=(self.n_vocab,))
         return view.copy()  # the view is overwritten by the next decode
 
+    def _hidden(self, index: int) -> np.ndarray:
+        view = np.ctypeslib.as_array(llama_cpp.llama_get_embeddings_ith(self._ctx, index), shape=(self.n_embd,))
+        return view.copy()
+
 
 class Sequence:
-    """One request's sequence in the engine."""
+    """One request's sequence in the engine. With `wants_hidden`, `hidden` is the local model's last
+    hidden state (float32, n_embd) at the step of the latest forward; otherwise None."""
 
-    def __init__(self, engine: Engine, slot: Slot, scope: str) -> None:
+    def __init__(self, engine: Engine, slot: Slot, scope: str, wants_hidden: bool = False) -> None:
         self._engine, self._slot, self._scope = engine, slot, scope
+        self._wants_hidden = wants_hidden
+        self.hidden: np.ndarray | None = None
 
     async def forward(self, tokens: list[int]) -> np.ndarray:
         """Make the sequence hold `tokens` (a list the caller no longer changes); return the
         logits for the next token (float32)."""
-        return await asyncio.wrap_future(self._engine._submit(self._slot, self, tokens, self._scope))
+        future = self._engine._submit(self._slot, self, tokens, self._scope, self._wants_hidden)
+        logits, self.hidden = await asyncio.wrap_future(future)
+        return logits
 
     def pause(self) -> None:
         """Leave the batch until the next forward (while waiting for an upstream)."""

@@ -43,6 +43,7 @@ class LocalModel:
         self.template = ChatTemplate.from_llama(llm)
         self.n_ctx = engine.n_ctx
         self.n_vocab = llm.n_vocab()
+        self.n_embd = engine.n_embd  # size of the hidden state a `hidden` sequence reports
         vocab = llm._model.vocab  # noqa: SLF001 - needed for llama_vocab_is_eog
         self._eog = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)}
         eos = llama_cpp.llama_vocab_eos(vocab)
@@ -79,9 +80,11 @@ class LocalModel:
         """Raise QueueFull when a new request would wait behind too many others."""
         self.engine.check_admission()
 
-    def sequence(self, prompt: list[int], scope: str = "") -> contextlib.AbstractAsyncContextManager[Sequence]:
-        """A sequence of the engine for one request in cache `scope` (see Engine.sequence)."""
-        return self.engine.sequence(prompt, scope)
+    def sequence(self, prompt: list[int], scope: str = "",
+                 hidden: bool = False) -> contextlib.AbstractAsyncContextManager[Sequence]:
+        """A sequence of the engine for one request in cache `scope`, with the last hidden state
+        at each step if `hidden` (see Engine.sequence)."""
+        return self.engine.sequence(prompt, scope, hidden)
 
     # -- tokens and text (read-only on the vocabulary: safe outside the engine) --
 

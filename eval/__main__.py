@@ -420,6 +420,8 @@ def _thresholds(args: argparse.Namespace) -> int:
         raise ValueError(f"{path} has no top-k probabilities or token kinds: rerun `python -m eval analyze` "
                          "into a fresh run directory")
     router = Router.load(args.router)
+    if router.reads_hidden:  # the analysis records hold no hidden states
+        raise ValueError(f"{args.router} is an mlp router: its thresholds are fitted by `python -m eval.hidden_router`")
     if analysed_model(fit, router.model_sha256) != router.model_sha256:
         raise ValueError(f"{args.router} was trained for another local model than the one that analysed {path}")
     meta = {"thresholds": {"command": f"python -m eval {shlex.join(sys.argv[1:])}", "dataset": args.dataset,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 
 class Route(enum.Enum):
@@ -22,6 +22,8 @@ class Signal:
     position: int  # index of this token in the answer
     top: tuple[float, ...] = ()  # the largest probabilities, largest first (four in a detailed signal)
     kind: str = ""  # detailed: what the most likely token is (word, piece, digit, punct, newline)
+    # the local model's last hidden state (numpy float32), only for a policy that reads_hidden
+    hidden: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -71,13 +73,16 @@ class Policy(Protocol):
       decoder computes only then (they cost a pass over the vocabulary every step);
     - `routes`: it may send a step upstream at all (False: the decoder never prepares a hand-off);
     - `wants_warm_up`: a warm-up call that reads the prompt into the upstream's cache ahead of the
-      first hand-off can help (not when every step is a hand-off anyway).
+      first hand-off can help (not when every step is a hand-off anyway);
+    - `reads_hidden`: it reads `Signal.hidden`, which the engine returns only for sequences that
+      ask for it (a decode with embeddings on).
     """
 
     name: str
     detailed_signal: bool
     routes: bool
     wants_warm_up: bool
+    reads_hidden: bool
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision: ...
 
@@ -88,6 +93,7 @@ class PolicyDefaults:
     detailed_signal = False
     routes = True
     wants_warm_up = True
+    reads_hidden = False
 
 
 class Wrapping:
@@ -110,3 +116,7 @@ class Wrapping:
     @property
     def wants_warm_up(self) -> bool:
         return self.inner.wants_warm_up
+
+    @property
+    def reads_hidden(self) -> bool:
+        return self.inner.reads_hidden

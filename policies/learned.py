@@ -5,6 +5,11 @@ entry). A router file (JSON, written by `python -m eval calibrate --learn`) hold
 names, their standardisation, the weights, the score thresholds that route given shares of the
 fit rows' tokens, and the SHA-256 of the local model it was trained for: its signals mean nothing
 for another model, so `Router.load` refuses a file trained for a different one.
+
+A file's `kind` says which model it holds: `logistic` (no `kind`, format @1, as every file before
+it) or `mlp` (format @2, policies/mlp_router.py: the same features plus the local model's last
+hidden state). `Router.load` reads either; both score a step with `score_signal` and say with
+`reads_hidden` whether the step's Signal must carry the hidden state.
 """
 
 from __future__ import annotations
@@ -13,11 +18,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from policies.base import LOCAL, UPSTREAM, Decision, PolicyDefaults, Route, RoutingState, Signal
+
+if TYPE_CHECKING:
+    from policies.mlp_router import MlpRouter
 
 FORMAT = "routing-gateway/learned-router@1"
 KINDS = ("word", "digit", "punct", "newline")  # one-hot; "piece" (inside a word) is the baseline
@@ -50,20 +58,20 @@ class Router:
     model_sha256: str
     meta: dict[str, Any]
 
+    reads_hidden = False
+
     def score(self, x: np.ndarray) -> float:
         z = float(np.dot(self.weights, (x - self.mean) / self.scale)) + self.bias
         return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
 
+    def score_signal(self, signal: Signal) -> float:
+        """The score of one decoding step."""
+        return self.score(features(signal))
+
     def threshold_for_share(self, share: float) -> float:
         """The score threshold for `share`, interpolated between the fitted shares; RouterError
         outside them (a share the router was not fitted near would silently be another)."""
-        known = sorted(self.shares.items())
-        xs, ys = [s for s, _ in known], [t for _, t in known]
-        if not xs[0] <= share <= xs[-1]:
-            fitted = ", ".join(f"{s:g}" for s in xs)
-            raise RouterError(f"the router's thresholds are fitted for shares {fitted}: "
-                              f"{share:g} is outside them (refit with `python -m eval thresholds --share ...`)")
-        return float(np.interp(share, xs, ys))
+        return threshold_for_share(self.shares, share)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "features": list(FEATURES), "model_sha256": self.model_sha256,
@@ -72,20 +80,26 @@ class Router:
                 **{k: v for k, v in self.meta.items() if k not in CORE_KEYS}}
 
     @classmethod
-    def load(cls, path: str | Path, model_sha256: str | None = None) -> "Router":
-        """Read a router file; RouterError if it is not one, or was trained for another model."""
+    def load(cls, path: str | Path, model_sha256: str | None = None) -> "Router | MlpRouter":
+        """Read a router file of either kind; RouterError if it is not one, or was trained for
+        another model."""
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise RouterError(f"cannot read router {path}: {exc}") from exc
+        if isinstance(data, dict) and data.get("kind", "logistic") != "logistic":
+            from policies.mlp_router import MlpRouter  # it builds on this module
+
+            if data["kind"] != "mlp":
+                raise RouterError(f"{path} holds a router of kind {data['kind']!r}; this gateway serves "
+                                  "'logistic' and 'mlp'")
+            return MlpRouter.from_json(data, path, model_sha256)
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise RouterError(f"{path} is not a router file ({FORMAT})")
         if data.get("features") != list(FEATURES):
             raise RouterError(f"{path} was trained on features {data.get('features')}, this gateway computes "
                               f"{list(FEATURES)}")
-        if model_sha256 is not None and data.get("model_sha256") != model_sha256:
-            raise RouterError(f"{path} was trained for the local model with sha256 {data.get('model_sha256')}, "
-                              f"not {model_sha256}")
+        check_model(data, path, model_sha256)
         try:
             router = cls(np.array(data["weights"], dtype=float), float(data["bias"]),
                          np.array(data["mean"], dtype=float), np.array(data["scale"], dtype=float),
@@ -101,19 +115,42 @@ class Router:
         return router
 
 
+def check_model(data: dict[str, Any], path: str | Path, model_sha256: str | None) -> None:
+    """RouterError if the router file `data` was trained for another local model than `model_sha256`."""
+    if model_sha256 is not None and data.get("model_sha256") != model_sha256:
+        raise RouterError(f"{path} was trained for the local model with sha256 {data.get('model_sha256')}, "
+                          f"not {model_sha256}")
+
+
+def threshold_for_share(shares: dict[float, float], share: float) -> float:
+    """The score threshold for `share`, interpolated between the fitted `shares`; RouterError
+    outside them (a share the router was not fitted near would silently be another)."""
+    known = sorted(shares.items())
+    xs, ys = [s for s, _ in known], [t for _, t in known]
+    if not xs[0] <= share <= xs[-1]:
+        fitted = ", ".join(f"{s:g}" for s in xs)
+        raise RouterError(f"the router's thresholds are fitted for shares {fitted}: "
+                          f"{share:g} is outside them (refit with `python -m eval thresholds --share ...`)")
+    return float(np.interp(share, xs, ys))
+
+
 @dataclass
 class LearnedAbove(PolicyDefaults):
     """Route when the router's score (the predicted chance that the step carries its training
     label: the local token is not the upstream's, or, for a divergent-label router, changes the
     answer) exceeds the threshold."""
 
-    router: Router
+    router: "Router | MlpRouter"
     threshold: float
     name: str = "learned"
     detailed_signal = True
 
+    @property
+    def reads_hidden(self) -> bool:
+        return self.router.reads_hidden
+
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
-        score = self.router.score(features(signal))
+        score = self.router.score_signal(signal)
         return Decision(Route.UPSTREAM, need=score) if score > self.threshold else LOCAL
 
 

@@ -42,6 +42,7 @@ class FakeLocalModel:
         self.template = FakeTemplate()
         self.prompt_length = 0
         self.forwards: list[list[int]] = []
+        self.wants_hidden = False
 
     def tokenize_prompt(self, parts: list[tuple[str, bool]]) -> list[int]:
         text = "".join(part for part, _ in parts)
@@ -69,8 +70,11 @@ class FakeLocalModel:
         """A fake grammar: the GBNF text is taken as the one answer it accepts."""
         return PrefixGrammar(self.vocab, text)
 
+    hidden: np.ndarray | None = None  # with a `hidden` sequence: the latest forward's logits stand in for it
+
     @contextlib.asynccontextmanager
-    async def sequence(self, prompt: list[int], scope: str = ""):
+    async def sequence(self, prompt: list[int], scope: str = "", hidden: bool = False):
+        self.wants_hidden = hidden
         yield self
 
     def pause(self) -> None:
@@ -85,6 +89,7 @@ class FakeLocalModel:
         options = [i for i in range(1, len(self.vocab)) if rest and rest.startswith(self.vocab[i])]
         best = max(options, key=lambda i: len(self.vocab[i])) if options else 0
         logits[best] = self.lean if len(answer) in self.uncertain_at else 20.0
+        self.hidden = logits.copy() if self.wants_hidden else None
         return logits
 
 

@@ -160,6 +160,7 @@ class Decoding:
         self._warming: asyncio.Future | None = None  # the warm-up call, until the first hand-off waits for it
         self._reusable_tokens = 0  # prompt tokens of this request's previous call, which the next one extends
         self._kind_of = self._token_kind if request.policy.detailed_signal else None
+        self._hidden: np.ndarray | None = None  # the latest forward's hidden state
         self._grammar: Grammar | None = local.grammar(request.grammar) if request.grammar else None
 
     @staticmethod
@@ -188,7 +189,8 @@ class Decoding:
         if self._may_route() and self.upstream.warms and self.request.policy.wants_warm_up and not self._capped_cost:
             self._warming = asyncio.ensure_future(self._call_upstream(self._handoff, 0))
         try:
-            async with self.local.sequence(self.prompt_tokens, self.gate.cache_scope) as sequence:
+            async with self.local.sequence(self.prompt_tokens, self.gate.cache_scope,
+                                           hidden=self.request.policy.reads_hidden) as sequence:
                 while self.finish_reason is None:
                     logits = await self._forward(sequence, self.answer_tokens)
                     signal = self._signal(logits, len(self.answer_tokens))
@@ -213,10 +215,11 @@ class Decoding:
     async def _forward(self, sequence: Sequence, answer: list[int]) -> np.ndarray:
         """Next-token logits after `answer`, with the request's penalties and logit_bias applied."""
         logits = await sequence.forward(self.prompt_tokens + answer)
+        self._hidden = sequence.hidden  # the next _signal's (None unless the policy reads_hidden)
         return self.request.rules.apply(logits, answer) if self.request.rules.active else logits
 
     def _signal(self, logits: np.ndarray, position: int) -> Signal:
-        return signal_of(logits, position, self._kind_of)
+        return signal_of(logits, position, self._kind_of, self._hidden)
 
     def _token_kind(self, token: int) -> str:
         return token_kind(self.local.token_bytes(token))

@@ -25,10 +25,11 @@ class Sampling:
 TOP_K = 4  # probabilities kept in a detailed Signal.top (learned routers read them)
 
 
-def signal_of(logits: np.ndarray, position: int, kind_of: Callable[[int], str] | None = None) -> Signal:
+def signal_of(logits: np.ndarray, position: int, kind_of: Callable[[int], str] | None = None,
+              hidden: np.ndarray | None = None) -> Signal:
     """Entropy (nats), top-1 probability and top-1/top-2 margin of softmax(logits); with `kind_of`
     (a detailed signal, for policies that read more) also the top-4 probabilities and the kind of
-    the most likely token.
+    the most likely token; `hidden` (the step's last hidden state) is passed through.
 
     One exp over the vocabulary and one more pass (three when detailed): with x = logits - max, e = exp(x) and
     Z = sum(e), p1 = 1/Z, H = log Z - sum(e * x) / Z.
@@ -45,7 +46,7 @@ def signal_of(logits: np.ndarray, position: int, kind_of: Callable[[int], str] |
         top.append(float(weights[following]))
         weights[following] = 0.0
     return Signal(entropy=max(entropy, 0.0), top1=1.0 / total, margin=(1.0 - top[1]) / total, position=position,
-                  top=tuple(p / total for p in top), kind=kind_of(best) if kind_of else "")
+                  top=tuple(p / total for p in top), kind=kind_of(best) if kind_of else "", hidden=hidden)
 
 
 def token_kind(piece: bytes) -> str:

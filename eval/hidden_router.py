@@ -1,0 +1,190 @@
+"""Fit routers on train rows and compare them on held-out dev rows: does the hidden state help?
+
+    python -m eval.hidden_router --dataset gsm8k --train-run gsm8k_train_hidden \
+        --train-data ../shared/data/gsm8k_train7473.jsonl --dev-run router --dev-rows 0:100 \
+        --out-router routers/gsm8k-mlp-qwen2.5-coder-0.5b.json --share 0.05 0.1 0.2
+
+Both runs hold the upstream's answers (`python -m eval run --configs upstream`). Every answer
+position is teacher-forced through the local model with its hidden state (eval/hidden_steps.py;
+the rows are cached outside the repository, they are large and can be made again). On the train
+rows only, this fits a logistic router on the twelve scalar FEATURES (eval/learn.py's), an MLP on
+the scalars alone and an MLP on scalars + hidden state (eval/learn_mlp.py); it reports each
+one's AUROC for the mismatch label on the dev rows, beside the fixed signals', and writes the
+comparison as JSON (hidden_router_<dataset>_dev<rows>.json in the train run) and the scalars +
+hidden MLP as a router file with thresholds fitted on the train rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adapters.model_files import model_sha256, resolve_model
+from eval.analysis import auroc
+from eval.datasets import load_items
+from eval.hidden_steps import HiddenForcer
+from eval.learn import fit_logistic
+from eval.learn_mlp import SCALARS, MlpParams, fit_mlp, forward, projection, reduce, train_mlp
+from eval.records import read_records, records_path, write_json
+from policies.learned import FEATURES, Router
+
+RUNS_DIR = Path(__file__).resolve().parent.parent / "results" / "runs"
+CACHE_DIR = Path.home() / ".cache" / "routing-gateway" / "hidden-steps"
+LOCAL = "qwen2.5-coder-0.5b-instruct"
+UNITS, LEARNING_RATE = 64, 3e-3
+PCAS = (16, 64, None)  # hidden-state projections tried (None: the whole state)
+
+
+def rows_of(forcer: Callable[[], HiddenForcer], run_dir: Path, dataset: str, data: Path | None, rows: str | None,
+            cache: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, labels, answer index) of every position of the run's upstream answers, cached per
+    answer (`forcer` is called only for answers not in the cache)."""
+    references = {r["id"]: r for r in read_records(records_path(run_dir, dataset, "upstream"))}
+    items = [item for item in load_items(dataset, data, rows) if item.id in references]
+    xs, ys, answers = [], [], []
+    for index, item in enumerate(items):
+        path = cache / run_dir.name / f"{dataset}-{item.id}.npz"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            x, y = forcer().steps(item, references[item.id]["tokens"])
+            np.savez(path, x=x, y=y)
+        stored = np.load(path)
+        xs.append(stored["x"])
+        ys.append(stored["y"])
+        answers.append(np.full(len(stored["y"]), index))
+    return np.concatenate(xs), np.concatenate(ys), np.concatenate(answers)
+
+
+def _logistic_scores(weights: np.ndarray, bias: float, mean: np.ndarray, scale: np.ndarray,
+                     x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.clip(((x - mean) / scale) @ weights + bias, -500, 500)))
+
+
+def choose_fit(x: np.ndarray, y: np.ndarray, answers: np.ndarray, pcas: tuple[int | None, ...] = (None,),
+               epochs: int = 30, seed: int = 0) -> dict[str, Any]:
+    """The MLP settings (hidden-state projection, weight decay, epochs) with the best AUROC on a
+    fifth of the train answers held out: train rows only, the dev rows are never looked at."""
+    rng = np.random.default_rng(seed)
+    held = np.isin(answers, rng.choice(answers.max() + 1, size=max(1, (answers.max() + 1) // 5), replace=False))
+    best: dict[str, Any] = {"held_out_train_auroc": -1.0}
+    for pca in pcas:
+        fit_x, held_x = x[~held], x[held]
+        if pca:
+            basis = projection(fit_x[:, SCALARS:], pca)
+            fit_x, held_x = reduce(fit_x, basis), reduce(held_x, basis)
+        for l2 in (1e-4, 1e-3, 1e-2, 1e-1):
+            def judge(epoch: int, params: MlpParams, l2: float = l2, pca: int | None = pca) -> None:
+                found = auroc(forward(params, held_x), y[held].astype(bool))
+                if found > best["held_out_train_auroc"]:
+                    best.update(pca=pca, units=UNITS, epochs=epoch, l2=l2, learning_rate=LEARNING_RATE,
+                                held_out_train_auroc=found)
+
+            fit_mlp(fit_x, y[~held], units=UNITS, epochs=epochs, l2=l2, learning_rate=LEARNING_RATE, on_epoch=judge)
+    return best
+
+
+def auroc_gain(better: np.ndarray, worse: np.ndarray, labels: np.ndarray, answers: np.ndarray,
+               resamples: int = 200, seed: int = 0) -> dict[str, float]:
+    """AUROC(better) - AUROC(worse) on these rows, with a 95% percentile bootstrap interval over
+    answers (positions of one answer are not independent)."""
+    rng = np.random.default_rng(seed)
+    rows_of_answer = [np.flatnonzero(answers == a) for a in np.unique(answers)]
+    gains = []
+    for _ in range(resamples):
+        rows = np.concatenate([rows_of_answer[i] for i in rng.integers(0, len(rows_of_answer), len(rows_of_answer))])
+        gains.append(auroc(better[rows], labels[rows]) - auroc(worse[rows], labels[rows]))
+    low, high = np.nanpercentile(gains, [2.5, 97.5])
+    return {"gain": auroc(better, labels) - auroc(worse, labels), "low": float(low), "high": float(high)}
+
+
+def _settings(chosen: dict[str, Any], *left_out: str) -> dict[str, Any]:
+    return {k: v for k, v in chosen.items() if k not in ("held_out_train_auroc", *left_out)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", default="gsm8k")
+    parser.add_argument("--train-run", required=True)
+    parser.add_argument("--train-data", type=Path, required=True, help="the dataset file the train run used")
+    parser.add_argument("--train-rows", help="only these train rows (default all answered)")
+    parser.add_argument("--dev-run", required=True)
+    parser.add_argument("--dev-rows", required=True, help="held-out rows to report on, e.g. 0:100")
+    parser.add_argument("--local", default=LOCAL)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--n-ctx", type=int, default=1024)
+    parser.add_argument("--share", nargs="+", type=float, default=[0.05, 0.1, 0.2])
+    parser.add_argument("--out-router", type=Path, help="write the scalars + hidden MLP router here")
+    parser.add_argument("--cache", type=Path, default=CACHE_DIR)
+    parser.add_argument("--runs-dir", type=Path, default=RUNS_DIR)
+    parser.add_argument("--baseline-router", type=Path, action="append", default=[],
+                        help="also score the dev rows with this logistic router file (fitted elsewhere)")
+    args = parser.parse_args(argv)
+
+    started = time.monotonic()
+    loaded: list[HiddenForcer] = []
+
+    def forcer() -> HiddenForcer:
+        if not loaded:
+            loaded.append(HiddenForcer.load(resolve_model(args.local), args.n_ctx, args.threads))
+        return loaded[0]
+
+    try:
+        x, y, answers = rows_of(forcer, args.runs_dir / args.train_run, args.dataset, args.train_data,
+                                args.train_rows, args.cache)
+        dev_x, dev_y, dev_answers = rows_of(forcer, args.runs_dir / args.dev_run, args.dataset, None, args.dev_rows, args.cache)
+    finally:
+        for model in loaded:
+            model.close()
+    rows_s = time.monotonic() - started
+    dev_labels = dev_y.astype(bool)
+    found: dict[str, float] = {
+        "entropy": auroc(dev_x[:, FEATURES.index("entropy")], dev_labels),
+        "1-top1": auroc(-dev_x[:, FEATURES.index("top1")], dev_labels),
+        "-margin": auroc(-dev_x[:, FEATURES.index("margin")], dev_labels),
+    }
+    for path in args.baseline_router:
+        baseline = Router.load(path, model_sha256(args.local))
+        found[f"logistic {path.name}"] = auroc([baseline.score(row) for row in dev_x[:, :SCALARS].astype(float)],
+                                              dev_labels)
+    logistic = fit_logistic(x[:, :SCALARS].astype(float), y)
+    logistic_scores = _logistic_scores(*logistic, dev_x[:, :SCALARS])
+    found["logistic (scalars)"] = auroc(logistic_scores, dev_labels)
+    scalar_fit = choose_fit(x[:, :SCALARS].astype(float), y, answers)
+    scalar_mlp = fit_mlp(x[:, :SCALARS].astype(float), y, **_settings(scalar_fit, "pca"))
+    scalar_scores = forward(scalar_mlp, dev_x[:, :SCALARS])
+    found["mlp (scalars)"] = auroc(scalar_scores, dev_labels)
+    hidden_fit = choose_fit(x.astype(float), y, answers, PCAS)
+    sha = model_sha256(args.local)
+    command = "python -m eval.hidden_router " + " ".join(argv if argv is not None else sys.argv[1:])
+    router = train_mlp(x.astype(float), y, args.share, sha, {
+        "command": command, "labels": "mismatch (local greedy token != upstream token, teacher-forced)",
+        "fit": {"run": args.train_run, "rows": args.train_rows or "all answered", "answers": int(answers.max() + 1),
+                "positions": int(len(y)), **hidden_fit}}, **_settings(hidden_fit))
+    hidden_scores = np.array([router.score(row) for row in dev_x.astype(float)])
+    found["mlp (scalars + hidden)"] = auroc(hidden_scores, dev_labels)
+    gains = {"over logistic (scalars)": auroc_gain(hidden_scores, logistic_scores, dev_labels, dev_answers),
+             "over mlp (scalars)": auroc_gain(hidden_scores, scalar_scores, dev_labels, dev_answers)}
+    report = {"dataset": args.dataset, "local_model_sha256": sha, "label": "mismatch",
+              "train": {"run": args.train_run, "rows": args.train_rows, "answers": int(answers.max() + 1),
+                        "positions": int(len(y)), "mismatch_share": float(y.mean())},
+              "dev": {"run": args.dev_run, "rows": args.dev_rows, "positions": int(len(dev_y)),
+                      "mismatch_share": float(dev_y.mean())},
+              "dev_auroc": found, "mlp (scalars + hidden) dev_auroc_gain": gains, "mlp_settings": {"scalars": scalar_fit, "scalars + hidden": hidden_fit},
+              "rows_seconds": round(rows_s, 1), "command": command}
+    rows = args.dev_rows.replace(":", "-")
+    write_json(args.runs_dir / args.train_run / f"hidden_router_{args.dataset}_dev{rows}.json", report)
+    if args.out_router:
+        args.out_router.write_text(json.dumps(router.to_json()) + "\n")
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
