@@ -94,12 +94,9 @@ class Router:
                 raise RouterError(f"{path} holds a router of kind {data['kind']!r}; this gateway serves "
                                   "'logistic' and 'mlp'")
             return MlpRouter.from_json(data, path, model_sha256)
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
+        if not isinstance(data, dict):
             raise RouterError(f"{path} is not a router file ({FORMAT})")
-        if data.get("features") != list(FEATURES):
-            raise RouterError(f"{path} was trained on features {data.get('features')}, this gateway computes "
-                              f"{list(FEATURES)}")
-        check_model(data, path, model_sha256)
+        check_header(data, path, FORMAT, model_sha256)
         try:
             router = cls(np.array(data["weights"], dtype=float), float(data["bias"]),
                          np.array(data["mean"], dtype=float), np.array(data["scale"], dtype=float),
@@ -115,8 +112,14 @@ class Router:
         return router
 
 
-def check_model(data: dict[str, Any], path: str | Path, model_sha256: str | None) -> None:
-    """RouterError if the router file `data` was trained for another local model than `model_sha256`."""
+def check_header(data: dict[str, Any], path: str | Path, file_format: str, model_sha256: str | None) -> None:
+    """RouterError unless the router file `data` is of `file_format`, reads the features this
+    gateway computes, and was trained for the local model `model_sha256` (None: any)."""
+    if data.get("format") != file_format:
+        raise RouterError(f"{path} is not a router file ({file_format})")
+    if data.get("features") != list(FEATURES):
+        raise RouterError(f"{path} was trained on features {data.get('features')}, this gateway computes "
+                          f"{list(FEATURES)}")
     if model_sha256 is not None and data.get("model_sha256") != model_sha256:
         raise RouterError(f"{path} was trained for the local model with sha256 {data.get('model_sha256')}, "
                           f"not {model_sha256}")

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from policies.base import Signal
-from policies.learned import FEATURES, RouterError, check_model, features, threshold_for_share
+from policies.learned import FEATURES, RouterError, check_header, features, threshold_for_share
 
 MLP_FORMAT = "routing-gateway/learned-router@2"
 CORE_KEYS = ("format", "kind", "features", "hidden_size", "model_sha256", "mean", "scale", "layers", "shares")
@@ -84,12 +84,7 @@ class MlpRouter:
     def from_json(cls, data: dict[str, Any], path: str | Path, model_sha256: str | None = None) -> "MlpRouter":
         """A router from a parsed file of kind mlp; RouterError if it is not a usable one or was
         trained for another model than `model_sha256`."""
-        if data.get("format") != MLP_FORMAT:
-            raise RouterError(f"{path} is not an mlp router file ({MLP_FORMAT})")
-        if data.get("features") != list(FEATURES):
-            raise RouterError(f"{path} was trained on features {data.get('features')}, this gateway computes "
-                              f"{list(FEATURES)}")
-        check_model(data, path, model_sha256)
+        check_header(data, path, MLP_FORMAT, model_sha256)
         try:
             first, second = data["layers"]
             router = cls(np.array(first["weights"], dtype=float), np.array(first["bias"], dtype=float),
