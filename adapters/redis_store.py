@@ -171,16 +171,22 @@ redis.call('EXPIRE', KEYS[1], 86400)
 return {best, before}
 """
 
-# Free a slot if this lease still holds it. KEYS: the slots hash. ARGV: slot, lease id, erased (1/0).
+# Free a slot if this lease still holds it. KEYS: the slots hash. ARGV: slot (-1: whichever this
+# lease holds), lease id, erased (1/0).
 SLOT_RELEASE_LUA = """
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then return 0 end
-local state = cjson.decode(raw)
-if state.l ~= ARGV[2] then return 0 end
-state.b = 0
-if ARGV[3] == '0' then state.s = '?' end
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(state))
-return 1
+local fields = {ARGV[1]}
+if ARGV[1] == '-1' then fields = redis.call('HKEYS', KEYS[1]) end
+for _, field in ipairs(fields) do
+  local raw = redis.call('HGET', KEYS[1], field)
+  local state = raw and cjson.decode(raw)
+  if state and state.l == ARGV[2] then
+    state.b = 0
+    if ARGV[3] == '0' then state.s = '?' end
+    redis.call('HSET', KEYS[1], field, cjson.encode(state))
+    return 1
+  end
+end
+return 0
 """
 
 CACHE_TAG = "cache:"
@@ -332,8 +338,9 @@ class RedisStore:
     async def response_delete(self, tenant: str, response_id: str) -> bool:
         return bool(await self._run(lambda: self._redis.delete(self._key(tenant, "resp", response_id))))
 
-    async def slot_lease(self, server: str, count: int, scope: str, key: str, ttl_s: float) -> SlotLease | None:
-        lease = uuid.uuid4().hex
+    async def slot_lease(self, server: str, count: int, scope: str, key: str, ttl_s: float,
+                         lease: str = "") -> SlotLease | None:
+        lease = lease or uuid.uuid4().hex
         keys, args = [self._key(f"slots:{server}", "state")], [count, scope, key, time.time(), ttl_s, lease]
         held = await self._run(lambda: self._slot_lease_script(keys=keys, args=args))
         if held is None:

@@ -191,13 +191,16 @@ class Store(Protocol):
     async def response_delete(self, tenant: str, response_id: str) -> bool:
         """Forget `tenant`'s stored response; False if there was none."""
 
-    async def slot_lease(self, server: str, count: int, scope: str, key: str, ttl_s: float) -> SlotLease | None:
+    async def slot_lease(self, server: str, count: int, scope: str, key: str, ttl_s: float,
+                         lease: str = "") -> SlotLease | None:
         """Hold the free slot of `server`'s `count` that best suits a call in cache `scope` (see
-        `slot_rank`) for at most `ttl_s`, recording `scope` as its holder; None while all are held.
-        Every gateway process sharing the store hands out the same slots."""
+        `slot_rank`) for at most `ttl_s`, recording `scope` as its holder, under the id `lease`
+        (a new one if empty); None while all are held. Every gateway process sharing the store
+        hands out the same slots."""
 
     async def slot_release(self, server: str, lease: SlotLease, erased: bool = True) -> None:
-        """Free a held slot; `erased=False` after a failed erase (its next holder erases it)."""
+        """Free a held slot; `erased=False` after a failed erase (its next holder erases it).
+        `lease.slot` -1: whichever slot that lease id holds (a lease whose reply was lost)."""
 
     async def ping(self) -> bool: ...
 
@@ -349,7 +352,8 @@ class MemoryStore:
         hit = self._responses.pop((tenant, response_id), None)
         return hit is not None and hit[1] > time.time()
 
-    async def slot_lease(self, server: str, count: int, scope: str, key: str, ttl_s: float) -> SlotLease | None:
+    async def slot_lease(self, server: str, count: int, scope: str, key: str, ttl_s: float,
+                         lease: str = "") -> SlotLease | None:
         now = time.time()
         states = self._slots.setdefault(server, {})
         free = [i for i in range(count) if states.get(i, {}).get("b", 0.0) <= now]
@@ -357,14 +361,16 @@ class MemoryStore:
             return None
         slot = max(free, key=lambda i: slot_rank(states.get(i, {}), scope, key))
         before = states.get(slot, {}).get("s")
-        lease = SlotLease(slot, bool(before) and before != scope, uuid.uuid4().hex)
-        states[slot] = {"s": scope, "k": key, "u": now, "b": now + ttl_s, "l": lease.lease}
-        return lease
+        held = SlotLease(slot, bool(before) and before != scope, lease or uuid.uuid4().hex)
+        states[slot] = {"s": scope, "k": key, "u": now, "b": now + ttl_s, "l": held.lease}
+        return held
 
     async def slot_release(self, server: str, lease: SlotLease, erased: bool = True) -> None:
-        state = self._slots.get(server, {}).get(lease.slot)
-        if state is not None and state["l"] == lease.lease:
-            state.update(b=0.0, s=state["s"] if erased else UNKNOWN_SCOPE)
+        states = self._slots.get(server, {})
+        for slot in states if lease.slot == -1 else [lease.slot]:
+            state = states.get(slot)
+            if state is not None and state["l"] == lease.lease:
+                state.update(b=0.0, s=state["s"] if erased else UNKNOWN_SCOPE)
 
     async def ping(self) -> bool:
         return True

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 
 import pytest
 
+from adapters.cache_isolation import TenantSlots
 from adapters.redis_store import RedisStore
 from adapters.store import (
     Billed,
@@ -21,6 +22,7 @@ from adapters.store import (
     StoreUnavailable,
     new_reservation,
 )
+from adapters.upstream_errors import UpstreamUnavailable
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc).timestamp()
 NEXT_DAY = datetime(2026, 12, 1, 0, 0, 1, tzinfo=timezone.utc).timestamp()
@@ -223,3 +225,38 @@ async def test_a_slot_whose_erase_failed_is_erased_by_its_next_holder(store):
     await store.slot_release(server, b, erased=False)  # a's prompts may still be there
     again = await store.slot_lease(server, 1, "tenant:b", "r", ttl_s=30)
     assert again.erase is True
+
+
+async def test_a_lease_whose_reply_was_lost_is_released_by_its_id_and_its_slot_erased_next(store):
+    server = f"srv-{uuid.uuid4().hex[:6]}"
+    a = await store.slot_lease(server, 1, "tenant:a", "r", ttl_s=30)
+    await store.slot_release(server, a)
+    granted = await store.slot_lease(server, 1, "tenant:b", "r", ttl_s=30, lease="lost-reply")
+    assert granted.lease == "lost-reply" and await store.slot_lease(server, 1, "tenant:c", "r", ttl_s=30) is None
+    # the caller never learnt which slot, nor erased a's prompts: it releases whatever the id holds, unerased
+    await store.slot_release(server, dataclasses.replace(granted, slot=-1), erased=False)
+    again = await store.slot_lease(server, 1, "tenant:b", "r", ttl_s=30)
+    assert again is not None and again.erase is True
+
+
+async def test_tenant_slots_give_back_a_lease_whose_reply_was_lost():
+    class LosesOneReply(MemoryStore):
+        lose = True
+
+        async def slot_lease(self, *args, **kwargs):
+            held = await super().slot_lease(*args, **kwargs)
+            if self.lose:
+                self.lose = False
+                raise StoreUnavailable("scripted: applied, reply lost")
+            return held
+
+    async def erase(slot: int) -> None:
+        erased.append(slot)
+
+    erased: list[int] = []
+    slots = TenantSlots(1, erase, LosesOneReply(), "srv", hold_s=30, wait_s=0.1)
+    with pytest.raises(UpstreamUnavailable):
+        async with slots.lease("tenant:a", "r1"):
+            pass
+    async with slots.lease("tenant:a", "r2") as params:  # not held for 30 s: given back first, then erased
+        assert params == {"id_slot": 0} and erased == [0]
