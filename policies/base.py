@@ -35,7 +35,8 @@ class RoutingState:
     upstream_calls: int = 0
     budget_tokens_left: int | None = None  # None: no token budget applies
     handoff_cost_tokens: int = 0  # estimated billed tokens of the next hand-off
-    # Predicted prices (USD, the upstream's price sheet; all 0 without one or for a free upstream):
+    # Predicted prices (USD, the upstream's price sheet; all 0 without one, for a free upstream, or
+    # for a policy that does not read them):
     handoff_price_usd: float = 0.0  # of the next hand-off, reading what its prefix may from a cache
     direct_price_usd: float = 0.0  # of asking the upstream directly for the whole answer
     rest_price_usd: float = 0.0  # of the upstream writing the rest of the answer in one call
@@ -75,7 +76,9 @@ class Policy(Protocol):
     - `wants_warm_up`: a warm-up call that reads the prompt into the upstream's cache ahead of the
       first hand-off can help (not when every step is a hand-off anyway);
     - `reads_hidden`: it reads `Signal.hidden`, which the engine returns only for sequences that
-      ask for it (a decode with embeddings on).
+      ask for it (a decode with embeddings on);
+    - `reads_prices`: it reads the predicted prices of `RoutingState`, which the decoder fills in
+      only then (0 otherwise).
     """
 
     name: str
@@ -83,6 +86,7 @@ class Policy(Protocol):
     routes: bool
     wants_warm_up: bool
     reads_hidden: bool
+    reads_prices: bool
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision: ...
 
@@ -94,6 +98,7 @@ class PolicyDefaults:
     routes = True
     wants_warm_up = True
     reads_hidden = False
+    reads_prices = False
 
 
 class Wrapping:
@@ -120,3 +125,7 @@ class Wrapping:
     @property
     def reads_hidden(self) -> bool:
         return self.inner.reads_hidden
+
+    @property
+    def reads_prices(self) -> bool:
+        return self.inner.reads_prices

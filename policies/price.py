@@ -29,6 +29,7 @@ class PriceAware(Wrapping):
     answer_value: float = 1.0
     escalate: bool = True
     min_calls: int = 3
+    reads_prices = True
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
         wanted = self.inner.decide(signal, state)

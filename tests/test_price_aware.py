@@ -86,3 +86,8 @@ def test_a_share_cap_turns_an_escalation_into_a_hand_off_up_to_the_cap():
     busy = RoutingState(**{**busy.__dict__, "upstream_tokens": 50})
     decision = policy.decide(UNSURE, busy)
     assert decision.upstream and not decision.escalate and decision.room == 25  # (50 + 25) / (100 + 25) = 0.6
+
+
+def test_only_a_price_aware_policy_asks_the_decoder_for_prices():
+    assert build_policy("always", answer_value=1.0).reads_prices  # through its caps
+    assert not build_policy("always").reads_prices

@@ -160,6 +160,8 @@ class Decoding:
         self._warming: asyncio.Future | None = None  # the warm-up call, until the first hand-off waits for it
         self._reusable_tokens = 0  # prompt tokens of this request's previous call, which the next one extends
         self._kind_of = self._token_kind if request.policy.detailed_signal else None
+        # the per-step prices are worked out only for a policy that weighs them, and need the ceiling's prompt count
+        self._reads_prices = request.policy.reads_prices and request.ceiling is not None
         self._hidden: np.ndarray | None = None  # the latest forward's hidden state
         self._grammar: Grammar | None = local.grammar(request.grammar) if request.grammar else None
 
@@ -238,7 +240,7 @@ class Decoding:
             budget_tokens_left=self.gate.tokens_left(),
             handoff_cost_tokens=len(self.prompt_tokens) + answered + self.request.span,
         )
-        return self._priced(state) if self.request.ceiling is not None and not self._upstream_closed else state
+        return self._priced(state) if self._reads_prices and not self._upstream_closed else state
 
     def _priced(self, state: RoutingState) -> RoutingState:
         """The state with the next hand-off's predicted prices. The hand-off's prompt is counted as
