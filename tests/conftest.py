@@ -178,6 +178,19 @@ def live_gateway(config: dict, tmp: Path, env: dict[str, str] | None = None) -> 
         gateway.close()
 
 
+@pytest.fixture(scope="module")
+def tokens_gateway(smol_llama_server: str, tmp_path_factory) -> Iterator[LiveGateway]:
+    """A gateway of the test module's own on the default test config, its upstream the shared
+    llama-server in tokens mode."""
+    with live_gateway(gateway_config(smol_llama_server, mode="tokens"), tmp_path_factory.mktemp("tokens")) as running:
+        yield running
+
+
+@pytest.fixture
+def tokens_client(tokens_gateway: LiveGateway) -> openai.OpenAI:
+    return tokens_gateway.client()
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> str:
     """The Redis on 127.0.0.1:6379 that CI starts; each test uses its own key prefix."""

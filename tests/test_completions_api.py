@@ -9,23 +9,14 @@ import openai
 import pytest
 from llama_cpp import Llama
 
-from tests.conftest import gateway_config, live_gateway
-
 pytestmark = pytest.mark.integration
 
 PROMPT = "The three primary colors are"
 
 
-@pytest.fixture(scope="module")
-def gateway(smol_llama_server, tmp_path_factory):
-    config = gateway_config(smol_llama_server, mode="tokens")
-    with live_gateway(config, tmp_path_factory.mktemp("completions")) as running:
-        yield running
-
-
 @pytest.fixture
-def client(gateway) -> openai.OpenAI:
-    return gateway.client()
+def client(tokens_client: openai.OpenAI) -> openai.OpenAI:
+    return tokens_client
 
 
 def complete(client, policy: str = "never", **fields):

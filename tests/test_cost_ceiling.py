@@ -9,23 +9,16 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ADMIN_KEY, gateway_config, live_gateway
+from tests.conftest import ADMIN_KEY
 
 pytestmark = pytest.mark.integration
 
 ASK = [{"role": "user", "content": "List five fruits, one per line."}]
 
 
-@pytest.fixture(scope="module")
-def gateway(smol_llama_server, tmp_path_factory):
-    config = gateway_config(smol_llama_server, mode="tokens")
-    with live_gateway(config, tmp_path_factory.mktemp("ceiling")) as running:
-        yield running
-
-
 @pytest.fixture
-def client(gateway) -> openai.OpenAI:
-    return gateway.client()
+def client(tokens_client: openai.OpenAI) -> openai.OpenAI:
+    return tokens_client
 
 
 def routed(client, n: int = 1, **routing) -> dict:
@@ -49,11 +42,11 @@ def test_a_ceiling_of_one_never_bills_more_than_asking_directly(client, n, span)
     assert capped["local_tokens"] > 0 and capped["upstream_calls"] >= 1
 
 
-def test_escalation_hands_the_rest_to_the_upstream_once(gateway, client):
+def test_escalation_hands_the_rest_to_the_upstream_once(tokens_gateway, client):
     escalated = routed(client, max_cost_ratio=1.0, on_ceiling="escalate")
     assert escalated["escalated"] and escalated["local_tokens"] == 0
     assert escalated["upstream_calls"] == 2  # the first hand-off, then the rest in one call
-    metrics = httpx.get(f"{gateway.base_url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
+    metrics = httpx.get(f"{tokens_gateway.base_url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
     assert 'gateway_escalated_requests_total{alias="routed"}' in metrics
     assert 'gateway_cost_ratio_count{alias="routed"}' in metrics
     assert 'gateway_handoff_cost_prediction_count{alias="routed"}' in metrics
