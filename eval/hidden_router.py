@@ -1,7 +1,7 @@
 """Fit routers on train rows and compare them on held-out dev rows: does the hidden state help?
 
     python -m eval.hidden_router --dataset gsm8k --train-run gsm8k_train_hidden \
-        --train-data ../shared/data/gsm8k_train7473.jsonl --dev-run router --dev-rows 0:100 \
+        --train-data data/gsm8k_train7473.jsonl --dev-run router --dev-rows 0:100 \
         --out-router routers/gsm8k-mlp-qwen2.5-coder-0.5b.json --share 0.05 0.1 0.2
 
 Both runs hold the upstream's answers (`python -m eval run --configs upstream`). Every answer
