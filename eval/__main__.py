@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="the launched upstream: llama-server in tokens mode (default; hand-offs extend one cached "
                           "sequence) or llama-cpp-python's server in completions mode (text prompts)")
     run.add_argument("--router", help="learned router file for learned@S configs (python -m eval calibrate --learn)")
+    run.add_argument("--check", help="answer check file for afresh=P configs (python -m eval answer-check)")
     run.add_argument("--warm", action="store_true", help="tokens mode: send each prompt to the upstream as an item starts")
     run.add_argument("--max-tokens", type=int, help=f"answer length limit (default {MAX_TOKENS})")
     run.add_argument("--block", type=int, default=25, help="summary.json is rewritten every this many items")
@@ -105,6 +106,26 @@ def _parser() -> argparse.ArgumentParser:
     thresholds.add_argument("--share", nargs="+", type=float, required=True, help="target upstream shares")
     thresholds.add_argument("--out", type=Path, required=True, help="the refitted router file")
     thresholds.set_defaults(command=_thresholds)
+
+    check = commands.add_parser("answer-check", help="fit an answer check on a run's local answers (which of them "
+                                                     "to ask the upstream afresh)")
+    _where(check)
+    check.add_argument("--fit-rows", help="rows to fit on (default: every local answer of the run)")
+    check.add_argument("--share", nargs="+", type=float, required=True,
+                       help="shares of the fit answers to ask afresh: the file records escalate_below for each")
+    check.add_argument("--local", default=LOCAL, help=f"the local model that wrote the answers (default {LOCAL})")
+    check.add_argument("--out", type=Path, required=True, help="the answer check file to write")
+    check.set_defaults(command=_answer_check)
+
+    afresh = commands.add_parser("afresh", help="derive <base>,afresh=P records from a run's <base> and upstream "
+                                                "records (no decoding), and print how the check ranks its answers")
+    _where(afresh)
+    afresh.add_argument("--check", type=Path, required=True, help="the answer check file")
+    afresh.add_argument("--below", nargs="+", type=float, required=True, help="escalate_below values (P)")
+    afresh.add_argument("--rows", help="only these dataset rows, e.g. 50:200")
+    afresh.add_argument("--base", default="local", help="the config whose answers are checked (default local)")
+    afresh.add_argument("--from-run", help="read local/base and upstream records from this run (default --run-name)")
+    afresh.set_defaults(command=_afresh)
 
     report = commands.add_parser("report", help="markdown table and plot from finished runs")
     _where(report)
@@ -185,7 +206,7 @@ async def _run_async(args: argparse.Namespace, plan: Any, total: int) -> dict[st
     options = ModelOptions(args.local, args.upstream, args.n_ctx, args.threads, args.input_usd_per_mtok,
                            args.output_usd_per_mtok, upstream_api_base=args.upstream_api_base,
                            parallel=args.parallel, upstream_server=args.upstream_server, warm=args.warm,
-                           router=args.router, sheet=load_sheet(args.decision_sheet) if args.decision_sheet else None)
+                           router=args.router, check=args.check, sheet=load_sheet(args.decision_sheet) if args.decision_sheet else None)
     models = await open_models(options, with_upstream=any(s.uses_upstream for s in plan.configs))
     try:
         with tqdm(total=total, unit="item", mininterval=2.0, dynamic_ncols=True) as bar:
@@ -221,7 +242,7 @@ def _meta(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dataset": args.dataset, "rows": args.rows,
         "data": str(args.data or "default"), "configs": [s.name for s in plan.configs],
         "local": model(args.local), "upstream": model(args.upstream), "threads": args.threads,
-        "upstream_server": args.upstream_server, "warm": args.warm, "router": args.router,
+        "upstream_server": args.upstream_server, "warm": args.warm, "router": args.router, "check": args.check,
         "n_ctx": args.n_ctx, "max_tokens": plan.max_tokens, "greedy": True,
         "prices_usd_per_mtok": {"input": args.input_usd_per_mtok, "output": args.output_usd_per_mtok},
         "decision_sheet": args.decision_sheet,
@@ -433,6 +454,65 @@ def _thresholds(args: argparse.Namespace) -> int:
         was = router.shares.get(share)
         print(f"share {share:g}: threshold {threshold:.4f}" + (f" (was {was:.4f})" if was is not None else ""))
     print(f"router: {args.out}")
+    return 0
+
+
+def _answer_check(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from adapters.model_files import model_sha256
+    from eval.afresh import confidences_of, fit
+    from eval.analysis import auroc
+    from eval.records import in_rows, read_records, records_path
+
+    path = records_path(args.runs_dir / args.run_name, args.dataset, "local")
+    records = read_records(path)
+    records = in_rows(records, parse_rows(args.fit_rows)) if args.fit_rows else records
+    if not records:
+        raise ValueError(f"no local answers in {path}" + (f" for rows {args.fit_rows}" if args.fit_rows else ""))
+    meta = {"command": f"python -m eval {shlex.join(sys.argv[1:])}", "dataset": args.dataset,
+            "run": args.run_name, "fit_rows": args.fit_rows or "all"}
+    check = fit(records, args.share, model_sha256(args.local), meta)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(check.to_json(), indent=1) + "\n")
+    labels = np.array([float(r["correct"]) for r in records])
+    print(f"{len(records)} answers, {labels.mean():.1%} correct; AUROC on them "
+          f"{auroc(confidences_of(check, records), labels):.4f}")
+    for share, below in sorted(check.shares.items()):
+        print(f"ask {share:.0%} afresh: escalate_below {below:.4f}")
+    print(f"answer check: {args.out}")
+    return 0
+
+
+def _afresh(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from eval.afresh import confidences_of, derived
+    from eval.analysis import auroc
+    from eval.records import append_record, in_rows, read_records, records_path
+    from policies.answer_check import AnswerCheck
+
+    source = args.runs_dir / (args.from_run or args.run_name)
+    rows = parse_rows(args.rows) if args.rows else None
+    base, upstream = (read_records(records_path(source, args.dataset, name)) for name in (args.base, "upstream"))
+    if rows is not None:
+        base, upstream = in_rows(base, rows), in_rows(upstream, rows)
+    if not base or not upstream:
+        raise ValueError(f"{source} needs {args.base} and upstream records of {args.dataset}")
+    check = AnswerCheck.load(args.check)
+    labels = np.array([float(r["correct"]) for r in base])
+    print(f"{len(base)} {args.base} answers, {labels.mean():.1%} correct; the check's AUROC on them "
+          f"{auroc(confidences_of(check, base), labels):.4f}")
+    run_dir = args.runs_dir / args.run_name
+    for below in args.below:
+        name = f"{args.base},afresh={below:g}"
+        path = records_path(run_dir, args.dataset, name)
+        path.unlink(missing_ok=True)  # derived, so always rewritten whole
+        records = derived(base, upstream, check, below, name)
+        for record in records:
+            append_record(path, record)
+        asked = sum(r["afresh"] for r in records)
+        print(f"{name}: {asked} of {len(records)} asked afresh, {sum(r['correct'] for r in records)} correct")
     return 0
 
 

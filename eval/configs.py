@@ -15,6 +15,9 @@
                           the run's --decision-sheet
     ...,ceiling=R[,on=escalate]
                           a cost ceiling (routing.max_cost_ratio R; on_ceiling local unless given)
+    local,afresh=P  <policy>@<value>,...,afresh=P
+                          the answer check (--check) asks the upstream afresh for an answer whose
+                          chance of being correct is below P (routing.escalate_below P)
 """
 
 from __future__ import annotations
@@ -42,17 +45,20 @@ class ConfigSpec:
     answer_value: float | None = None
     max_cost_ratio: float | None = None
     on_ceiling: str = "local"
+    escalate_below: float | None = None  # the answer check's bar (afresh=P)
     # target_fraction's window of recent entropies, shared by all items of the config as the
     # gateway shares it by all requests of an alias
     window: EntropyWindow = field(default_factory=EntropyWindow, compare=False, repr=False)
 
     @property
     def uses_upstream(self) -> bool:
-        return self.policy != "never"
+        return self.policy != "never" or self.escalate_below is not None
 
     @property
     def family(self) -> str:
-        """What the report groups points by: local, upstream, oracle or the policy's name."""
+        """What the report groups points by: local, upstream, oracle, afresh or the policy's name."""
+        if self.policy == "never" and self.escalate_below is not None:
+            return "afresh"
         return {"never": "local", "always": "upstream"}.get(self.policy, self.policy)
 
     def span(self, max_tokens: int) -> int:
@@ -73,12 +79,14 @@ class ConfigSpec:
 
 
 def parse_config(text: str) -> ConfigSpec:
-    """'local' | 'upstream' | 'oracle' | '<policy>@<value>[,span=N][,until=R]' -> ConfigSpec;
-    ValueError otherwise."""
+    """'local[,afresh=P]' | 'upstream' | 'oracle' | '<policy>@<value>[,span=N][,until=R]...' ->
+    ConfigSpec; ValueError otherwise."""
     fixed = {"local": "never", "upstream": "always", "oracle": "oracle"}
     if text in fixed:
         return ConfigSpec(text, fixed[text])
     head, *options = text.split(",")
+    if head == "local" and len(options) == 1 and options[0].startswith("afresh="):
+        return ConfigSpec(text, "never", escalate_below=_afresh(text, options[0]))
     policy, sep, value = head.partition("@")
     if not sep or policy not in ROUTED:
         raise ValueError(f"bad config {text!r}: use local, upstream, oracle or <{'|'.join(ROUTED)}>@<value>")
@@ -86,14 +94,21 @@ def parse_config(text: str) -> ConfigSpec:
     if policy in ("target_fraction", "learned") and not 0 < number <= 1:
         raise ValueError(f"bad config {text!r}: a target share is in (0, 1]")
     given = dict(option.partition("=")[::2] for option in options)
-    if set(given) - {"span", "until", "value", "ceiling", "on"} or given.get("until", "tokens") not in SPAN_RULES \
+    if set(given) - {"span", "until", "value", "ceiling", "on", "afresh"} or given.get("until", "tokens") not in SPAN_RULES \
             or given.get("on", "local") not in ("local", "escalate"):
         raise ValueError(f"bad config {text!r}: options are span=<tokens>, until=<{'|'.join(SPAN_RULES)}>, "
-                         "value=<answer value>, ceiling=<cost ratio> and on=<local|escalate>")
+                         "value=<answer value>, ceiling=<cost ratio>, on=<local|escalate> and afresh=<P>")
     value, ceiling = given.get("value"), given.get("ceiling")
     return ConfigSpec(text, policy, number, int(given.get("span", 1)), given.get("until", "tokens"),
                       None if value is None else float(value), None if ceiling is None else float(ceiling),
-                      given.get("on", "local"))
+                      given.get("on", "local"), _afresh(text, "afresh=" + given["afresh"]) if "afresh" in given else None)
+
+
+def _afresh(text: str, option: str) -> float:
+    below = float(option.removeprefix("afresh="))
+    if not 0 <= below <= 1:
+        raise ValueError(f"bad config {text!r}: afresh=<P> is a probability in [0, 1]")
+    return below
 
 
 def configs_from_snippet(path: Path, keys: list[str] | None = None) -> list[ConfigSpec]:

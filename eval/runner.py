@@ -140,7 +140,8 @@ async def evaluate(models: Models, plan: RunPlan, spec: ConfigSpec, item: Item,
     ceiling = CostCeiling(spec.max_cost_ratio, models.upstream.prices, 0) if priced else None
     request = DecodeRequest(messages=item.messages, max_tokens=plan.max_tokens, policy=policy,
                             span=spec.span(plan.max_tokens), span_until=spec.until, grammar=grammar,
-                            ceiling=ceiling, on_ceiling=spec.on_ceiling)
+                            ceiling=ceiling, on_ceiling=spec.on_ceiling, answer_check=models.check,
+                            escalate_below=spec.escalate_below, held=True)
     record: dict[str, Any] = {"id": item.id, "row": item.row, "config": spec.name, "dataset": plan.dataset,
                               "gold": item.gold}
     if spec.uses_upstream and plan.parallel == 1:  # with items in flight together, their sequences stay
@@ -195,7 +196,8 @@ def _outcome(dataset: str, item: Item, decoding: Decoding, wall: float, signals:
         "upstream_compute_ms": round(usage.upstream_compute_ms, 1),
         "upstream_cost_usd": usage.upstream_cost_usd, "degraded": list(usage.degraded),
         "upstream_predicted_cost_usd": usage.predicted_cost_usd, "cost_ratio": cost_ratio([decoding]),
-        "escalated": usage.escalated, "price_vetoes": usage.price_vetoes,
+        "escalated": usage.escalated, "price_vetoes": usage.price_vetoes, "afresh": usage.afresh,
+        "discarded_tokens": usage.discarded_tokens, "answer_confidence": usage.answer_confidence,
         "finish_reason": decoding.finish_reason, "wall_s": round(wall, 4),
         "prompt_tokens": len(decoding.prompt_tokens),
         "mean_entropy": round(statistics.fmean(entropies), 5), "max_entropy": round(max(entropies), 5),

@@ -20,6 +20,7 @@ from eval.costs import PriceSheet
 from gateway.runtime import make_upstream
 from gateway.settings import LaunchSettings, UpstreamSettings
 from policies import Router
+from policies.answer_check import AnswerCheck
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Models:
     local_path: Path | None = None  # lets the oracle load a teacher-forcing context of the local model
     server_slots: int = 0  # sequences of a launched llama-server (erased by cold_upstream)
     router: Router | None = None  # for learned@S configs
+    check: AnswerCheck | None = None  # for afresh=P configs
 
     async def cold_upstream(self) -> None:
         """Erase every sequence the launched llama-server holds, so the next decode is billed and
@@ -59,6 +61,7 @@ class ModelOptions:
     upstream_server: str = "llama-server"  # or llama-cpp-python (text prompts, no KV reuse between calls)
     warm: bool = False  # tokens mode: send the prompt when an item starts
     router: str | None = None  # a learned router file, checked against the local model
+    check: str | None = None  # an answer check file, checked against the local model
     sheet: PriceSheet | None = None  # token prices that replace the assumed ones (what decisions are priced at)
 
     @property
@@ -70,10 +73,11 @@ async def open_models(options: ModelOptions, with_upstream: bool) -> Models:
     """Load the local model and, if asked, start and warm the upstream server (or use the given one)."""
     local_path = resolve_model(options.local, fetch=True)
     router = Router.load(options.router, model_sha256(options.local)) if options.router else None
+    check = AnswerCheck.load(options.check, model_sha256(options.local)) if options.check else None
     local = await LocalModel.load(local_path, options.n_ctx, options.threads, n_batch=256,
                                   queue_limit=options.parallel, parallel=options.parallel)
     if not with_upstream:
-        return Models(local, None, None, local_path, router=router)
+        return Models(local, None, None, local_path, router=router, check=check)
     server = None
     try:
         gguf = resolve_model(options.upstream, fetch=True)  # its chat template renders the prompts
@@ -88,7 +92,7 @@ async def open_models(options: ModelOptions, with_upstream: bool) -> Models:
             api_base = server.api_base
         upstream = make_upstream("eval-upstream", upstream_settings(options, api_base, str(gguf)))
         slots = launch.parallel if server is not None and options.upstream_server == "llama-server" else 0
-        return Models(local, upstream, server, local_path, slots, router)
+        return Models(local, upstream, server, local_path, slots, router, check)
     except BaseException:
         if server is not None:
             server.stop()

@@ -108,6 +108,8 @@ class Metrics:
         self.escalated = Counter("gateway_escalated_requests",
                                  "Answers whose rest the upstream wrote in one call (at the cost ceiling, or "
                                  "escalated early by price-aware routing).", ["alias"], registry=r)
+        self.afresh = Counter("gateway_afresh_answers", "Answers the answer check rated below escalate_below, "
+                              "thrown away and asked of the upstream afresh.", ["alias"], registry=r)
         self.price_vetoes = Counter("gateway_price_vetoed_steps",
                                     "Steps the policy wanted upstream that price-aware routing kept local (not worth "
                                     "their predicted price).", ["alias"], registry=r)
@@ -319,6 +321,9 @@ def _count_answer(record: RequestRecord, admitted: Any) -> None:
         metrics.degraded.labels(alias, reason).inc()
     if any(decoding.usage.escalated for decoding in admitted.decodings):
         metrics.escalated.labels(alias).inc()
+    afresh = sum(decoding.usage.afresh for decoding in admitted.decodings)
+    if afresh:
+        metrics.afresh.labels(alias).inc(afresh)
     vetoes = sum(decoding.usage.price_vetoes for decoding in admitted.decodings)
     if vetoes:
         metrics.price_vetoes.labels(alias).inc(vetoes)

@@ -20,6 +20,7 @@ from gateway.admission.budget import Ledger
 from gateway.admission.tenants import TenantDirectory
 from gateway.settings import AliasSettings, Settings, UpstreamSettings
 from policies import EntropyWindow, Router
+from policies.answer_check import AnswerCheck
 
 log = logging.getLogger("gateway.runtime")
 
@@ -33,6 +34,7 @@ class Alias:
     upstream: Upstream | None  # the upstream itself: requests passed through whole call it
     settings: AliasSettings
     router: Router | None = None  # the learned policy's router, trained for this alias's local model
+    answer_check: AnswerCheck | None = None  # rates finished answers (escalate_below), fitted for its local model
     # target_fraction's windows of recent entropies, one per tenant: shared by a tenant's requests
     # whatever their target (the entropies do not depend on it), never by two tenants, whose
     # traffic would otherwise move each other's thresholds
@@ -90,13 +92,14 @@ class Runtime:
         upstreams = {name: await self._upstream(name, up) for name, up in settings.upstreams.items()}
         for name, alias in settings.aliases.items():
             upstream = upstreams[alias.upstream] if alias.upstream else None
-            router = None
+            router, check, local_sha = None, None, model_sha256(settings.models.local[alias.local].gguf)
             if alias.routing.router is not None:
-                local_ref = settings.models.local[alias.local].gguf
-                router = Router.load(alias.routing.router, model_sha256(local_ref))
+                router = Router.load(alias.routing.router, local_sha)
                 if alias.routing.policy == "learned" and alias.routing.threshold is None:
                     router.threshold_for_share(alias.routing.target_fraction)  # fitted for it, or RouterError
-            self.aliases[name] = Alias(name, self.local_models[alias.local], upstream, alias, router)
+            if alias.routing.answer_check is not None:
+                check = AnswerCheck.load(alias.routing.answer_check, local_sha)
+            self.aliases[name] = Alias(name, self.local_models[alias.local], upstream, alias, router, check)
         if not await self.ledger.store.ping():
             host = settings.store.url.rsplit("@", 1)[-1]  # never log a password
             log.warning("store at %s does not answer: serving local-only until it does", host)

@@ -88,6 +88,12 @@ class RoutingSettings(Strict):
     early_escalation: bool = Field(
         True, description="With answer_value: when the hand-offs the running rate predicts would cost at least the "
         "upstream writing the rest of the answer, hand the rest over in one call.")
+    answer_check: str | None = Field(
+        None, description="Answer check file (python -m eval answer-check), fitted for this alias's local model: "
+        "rates each finished answer's chance of being correct (usage.routing.answer_confidence).")
+    escalate_below: float | None = Field(
+        None, ge=0, le=1, description="With answer_check: an answer that does not stream and is rated below this is "
+        "thrown away and asked of the upstream afresh, in one call (usage.routing.afresh); null: never.")
 
     @model_validator(mode="before")
     @classmethod
@@ -106,6 +112,8 @@ class RoutingSettings(Strict):
             raise ValueError("policy 'learned' needs a router and a threshold or target_fraction")
         if self.policy == "first" and (self.threshold < 1 or self.threshold != int(self.threshold)):
             raise ValueError("policy 'first' needs a whole number of tokens >= 1 as its threshold")
+        if self.escalate_below and self.answer_check is None:
+            raise ValueError("escalate_below needs an answer_check")
         return self
 
 
@@ -131,6 +139,8 @@ class RoutingOverride(Strict):
                                        "worth, in multiples of asking the upstream directly.")
     early_escalation: bool | None = Field(None, description="With answer_value: escalate when the running rate of "
                                           "hand-offs predicts they would cost more than the upstream writing the rest.")
+    escalate_below: float | None = Field(None, ge=0, le=1, description="Ask the upstream afresh for an answer that "
+                                         "does not stream and that the alias's answer check rates below this; 0: never.")
 
 
 Unsupported = Literal["upstream", "refuse"]

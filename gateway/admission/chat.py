@@ -82,6 +82,9 @@ def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None) 
         raise InvalidRequest("routing policy 'learned' needs a router, and this model has none", param="routing.policy")
     if policy == "learned" and merged["threshold"] is None and merged["target_fraction"] is None:
         raise InvalidRequest("routing policy 'learned' needs a threshold or target_fraction", param="routing.threshold")
+    if merged["escalate_below"] and merged["answer_check"] is None:
+        raise InvalidRequest("routing.escalate_below needs an answer check, and this model has none",
+                             param="routing.escalate_below")
     try:
         return RoutingSettings(**merged)
     except ValidationError as exc:  # what is left after the checks above: first's whole-number threshold
@@ -184,6 +187,7 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | Com
         logprobs=logprobs, top_logprobs=top_logprobs,
         rules=LogitRules.of(body.presence_penalty, body.frequency_penalty, body.logit_bias), grammar=grammar,
         ceiling=ceiling, on_ceiling=routing.on_ceiling, choice=choice,
+        answer_check=alias.answer_check, escalate_below=routing.escalate_below or None, held=not body.stream,
     )
     try:
         decoding = Decoding(alias.local, alias.continuations, gate, request)

@@ -36,10 +36,21 @@ def usage_of(admitted: Admitted) -> dict[str, Any]:
             "upstream_predicted_cost_usd": round(sum(u.predicted_cost_usd for u in usages), 8),
             "cost_ratio": cost_ratio(decodings),
             "escalated": any(u.escalated for u in usages),
+            "afresh": sum(u.afresh for u in usages),
+            "discarded_tokens": sum(u.discarded_tokens for u in usages),
+            "answer_confidence": _confidence(usages),
             "price_vetoes": sum(u.price_vetoes for u in usages),
             "degraded": list(dict.fromkeys(reason for u in usages for reason in u.degraded)),
         },
     }
+
+
+def _confidence(usages: list[Any]) -> float | list[float] | None:
+    """The answer check's rating of the local answer (one per choice for n > 1; None without a check)."""
+    rated = [u.answer_confidence for u in usages]
+    if all(r is None for r in rated):
+        return None
+    return rated[0] if len(rated) == 1 else rated
 
 
 def routing_header(admitted: Admitted) -> str:

@@ -15,6 +15,11 @@ A request's penalties and logit_bias adjust the local logits before anything rea
 grammar (`response_format` JSON) every local token is one the grammar allows, an upstream span is
 kept only as far as the grammar accepts it (a step whose span it refuses entirely decodes locally),
 and the answer ends only where the grammar is complete; guessing ahead is off.
+
+An answer nobody has seen yet (`held`: the request does not stream) may be asked afresh: when the
+request's answer check (policies/answer_check.py) rates the finished answer's chance of being
+correct below `escalate_below`, the answer is thrown away and the upstream writes the whole answer
+in one call, as if asked directly; if that call fails, the local answer stands.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from gateway.decoding.text_stream import TextReleaser
 from policies import LOCAL as LOCAL_STEP
 from policies import UPSTREAM as UPSTREAM_STEP
 from policies import Decision, Policy, RoutingState, Signal
+from policies.answer_check import AnswerCheck, AnswerStats
 
 LOCAL, UPSTREAM, CACHE = "local", "upstream", "cache"
 GUESS_LIMIT = 8  # most local tokens guessed ahead while a hand-off is in flight
@@ -91,6 +97,9 @@ class DecodeRequest:
     ceiling: CostCeiling | None = None  # shared by the request's choices; None without an upstream
     on_ceiling: str = "local"  # local | escalate: what a hand-off past the ceiling becomes
     choice: int = 0
+    answer_check: AnswerCheck | None = None  # rates the finished answer (usage.routing.answer_confidence)
+    escalate_below: float | None = None  # a held answer rated below this is asked afresh
+    held: bool = False  # nothing is shown before the answer is complete (the request does not stream)
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,9 @@ class RoutingUsage:
     upstream_compute_ms: float = 0.0  # the upstream's own prompt + generation time, where it reports it
     upstream_cost_usd: float = 0.0
     escalated: bool = False  # the upstream was asked for the rest of the answer in one call
+    afresh: bool = False  # ... for the whole answer, the local one thrown away (its tokens: discarded_tokens)
+    discarded_tokens: int = 0
+    answer_confidence: float | None = None  # the answer check's rating of the local answer
     price_vetoes: int = 0  # steps the policy wanted upstream that were not worth their predicted price
     predicted_cost_usd: float = 0.0  # what the calls made were expected to bill (prices and prefix reuse)
     degraded: list[str] = field(default_factory=list)
@@ -190,18 +202,29 @@ class Decoding:
             self.usage.degrade("upstream_continues_chats_only")  # raw text, and a chat-mode upstream
         if self._may_route() and self.upstream.warms and self.request.policy.wants_warm_up and not self._capped_cost:
             self._warming = asyncio.ensure_future(self._call_upstream(self._handoff, 0))
+        check = self.request.answer_check
+        held: list[Piece] | None = [] if self.request.held and check else None  # shown once checked
+        signals: list[Signal] = []  # what the check rates
         try:
             async with self.local.sequence(self.prompt_tokens, self.gate.cache_scope,
                                            hidden=self.request.policy.reads_hidden) as sequence:
-                while self.finish_reason is None:
-                    logits = await self._forward(sequence, self.answer_tokens)
-                    signal = self._signal(logits, len(self.answer_tokens))
-                    decision = self._decide(signal)
-                    if decision.upstream:
-                        for piece in await self._upstream_step(sequence, logits, signal, decision):
-                            yield piece
-                    else:
-                        yield await self._local_step(logits, signal)
+                while True:
+                    while self.finish_reason is None:
+                        for piece in await self._step(sequence):
+                            if check is not None and piece.signal is not None:
+                                signals.append(piece.signal)
+                            if held is None:
+                                yield piece
+                            else:
+                                held.append(piece)
+                    if check is None or self.usage.answer_confidence is not None:
+                        break  # no check, or checked already (the grammar cut a fresh answer short)
+                    fresh = await self._checked(sequence, signals, held is not None)
+                    if fresh is None:
+                        break
+                    held = fresh
+                for piece in held or ():
+                    yield piece
         finally:
             if self.request.ceiling is not None:  # the answer's length, for the report's cost_ratio
                 self.request.ceiling.note(self.request.choice, len(self.answer_tokens))
@@ -213,6 +236,56 @@ class Decoding:
         tail = self.text.finish()
         if tail:
             yield Piece(tail, (), self.sources[-1] if self.sources else LOCAL, None)
+
+    async def _step(self, sequence: Sequence) -> list[Piece]:
+        logits = await self._forward(sequence, self.answer_tokens)
+        signal = self._signal(logits, len(self.answer_tokens))
+        decision = self._decide(signal)
+        if decision.upstream:
+            return await self._upstream_step(sequence, logits, signal, decision)
+        return [await self._local_step(logits, signal)]
+
+    async def _checked(self, sequence: Sequence, signals: list[Signal], held: bool) -> list[Piece] | None:
+        """Rate the finished answer; if it is held and below the bar, ask the upstream afresh and
+        return the fresh answer's pieces (None: the answer stands)."""
+        stats = AnswerStats.of(signals, len(self.answer_tokens), self.finish_reason)
+        confidence = self.request.answer_check.confidence(stats)
+        self.usage.answer_confidence = round(confidence, 4)
+        below = self.request.escalate_below
+        if not held or below is None or confidence >= below or self._upstream_closed:
+            return None
+        if not self.upstream.available:
+            self.usage.degrade("upstream_unavailable")
+            return None
+        return await self._afresh(sequence, signals[0] if signals else None)
+
+    async def _afresh(self, sequence: Sequence, first: Signal | None) -> list[Piece] | None:
+        """The upstream's answer to the prompt alone, in one call, replacing the answer so far;
+        None (the answer stands) when the call fails, is refused, or would pass the cost ceiling."""
+        handoff = self.upstream.with_answer(self._handoff, "")
+        span = self.limit if self._grammar is None else min(self.limit, GRAMMAR_SPAN)
+        held = 0.0
+        if self._capped_cost:
+            held = self.request.ceiling.hold(self.request.choice, 0, self.upstream.estimate_prompt_tokens(handoff), span)
+            if held is None:
+                self.usage.degrade("cost_ceiling")
+                return None
+        billed_before = self.usage.upstream_cost_usd
+        try:
+            got = await self._uncut_continuation(handoff, span)
+        finally:
+            if self.request.ceiling is not None:
+                self.request.ceiling.settle(held, self.usage.upstream_cost_usd - billed_before)
+        if got is None:
+            return None
+        self.usage.escalated = self.usage.afresh = True
+        self.usage.discarded_tokens = len(self.answer_tokens)
+        self._handoff = handoff
+        self.answer_tokens, self.sources, self.answer_bytes = [], [], bytearray()
+        self.text, self.finish_reason = TextReleaser(self.request.stop), None
+        if self._grammar is not None:
+            got = self._grammar_cut(*got)
+        return [await self._append_upstream(sequence, *got, first)]
 
     async def _forward(self, sequence: Sequence, answer: list[int]) -> np.ndarray:
         """Next-token logits after `answer`, with the request's penalties and logit_bias applied."""

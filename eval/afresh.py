@@ -1,0 +1,68 @@
+"""Answers asked afresh: fit an answer check on local answers, and what it does to a run's answers.
+
+`fit` trains the check (policies/answer_check.py) on the local model's own greedy answers of a
+run, labelled by whether each was correct; its thresholds are the `escalate_below` that asks afresh
+for given shares of those answers. `derived` builds the records a config `<base>,afresh=P` would
+write from the records of `<base>` and `upstream` on the same items: both are greedy and
+deterministic, and the gateway's fresh call is the upstream-only config's one call for the whole
+answer, so an escalated answer is the upstream's record (billed on top of what the base answer's
+hand-offs billed) and the rest are the base's. `python -m eval run` decodes such a config for real;
+`tests/test_afresh.py` and the results check that both agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from eval.learn import fit_logistic
+from policies.answer_check import AnswerCheck, AnswerStats
+
+BILLED = ("upstream_calls", "upstream_prompt_tokens", "upstream_completion_tokens", "upstream_cached_tokens",
+          "upstream_compute_ms", "upstream_cost_usd")
+
+
+def fit(records: Sequence[dict[str, Any]], shares: Sequence[float], model_sha256: str, meta: dict[str, Any],
+        l2: float = 1.0) -> AnswerCheck:
+    """An answer check fitted on local answers (`correct` is the label), with the escalate_below
+    that asks afresh for each share of them."""
+    x = np.array([AnswerStats.of_record(r).features() for r in records])
+    y = np.array([float(r["correct"]) for r in records])
+    weights, bias, mean, scale = fit_logistic(x, y, l2)
+    check = AnswerCheck(weights, bias, mean, scale, {}, model_sha256, {**meta, "fit_answers": len(records),
+                                                                        "fit_accuracy": round(float(y.mean()), 4)})
+    confidences = confidences_of(check, records)
+    return AnswerCheck(weights, bias, mean, scale, {float(s): round(float(np.quantile(confidences, s)), 5)
+                                                    for s in shares}, model_sha256, check.meta)
+
+
+def confidences_of(check: AnswerCheck, records: Sequence[dict[str, Any]]) -> np.ndarray:
+    return np.array([check.confidence(AnswerStats.of_record(r)) for r in records])
+
+
+def derived(base: Sequence[dict[str, Any]], upstream: Sequence[dict[str, Any]], check: AnswerCheck,
+            escalate_below: float, name: str) -> list[dict[str, Any]]:
+    """The records of config `name` (`<base>,afresh=<escalate_below>`) on the items both runs answered."""
+    fresh = {r["id"]: r for r in upstream}
+    records = []
+    for record in base:
+        if record["id"] not in fresh:
+            continue
+        confidence = check.confidence(AnswerStats.of_record(record))
+        if confidence < escalate_below:
+            out = _escalated(record, fresh[record["id"]])
+        else:
+            out = {**record, "afresh": False}
+        records.append({**out, "config": name, "answer_confidence": round(confidence, 4), "derived": True})
+    return records
+
+
+def _escalated(base: dict[str, Any], fresh: dict[str, Any]) -> dict[str, Any]:
+    """The upstream's answer, billed on top of the base answer's hand-offs, timed after it."""
+    record = {**fresh, "afresh": True, "discarded_tokens": base["answer_tokens"],
+              "wall_s": round(base["wall_s"] + fresh["wall_s"], 4)}
+    for key in BILLED:
+        record[key] = base.get(key, 0) + fresh.get(key, 0)
+    return record

@@ -1,0 +1,230 @@
+"""Asking afresh: the answer check's file and rating, the decoder throwing a held answer away for
+the upstream's, what it does when it cannot, and the evaluation's derived records."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from adapters.store import Limits, MemoryStore
+from eval.afresh import derived, fit
+from eval.configs import parse_config
+from gateway.admission.budget import HandoffGate, Ledger
+from gateway.decoding.cost_ceiling import CostCeiling
+from gateway.decoding.decoder import DecodeRequest, Decoding
+from policies import Signal, build_policy
+from policies.answer_check import FEATURES, AnswerCheck, AnswerStats
+from policies.learned import RouterError
+from tests.fakes import FakeLocalModel, FakeUpstream
+
+VOCAB = ["Paris", " is", " nice", " big", *sorted(set("Paris is nice big."))]
+SHA = "a" * 64
+
+
+def constant(confidence: float) -> AnswerCheck:
+    """A check that rates every answer `confidence` (no weights, the bias alone)."""
+    bias = float(np.log(confidence / (1 - confidence)))
+    zeros, ones = np.zeros(len(FEATURES)), np.ones(len(FEATURES))
+    return AnswerCheck(zeros, bias, zeros, ones, {}, SHA, {})
+
+
+def decoding(check: AnswerCheck | None, below: float | None, held: bool = True, upstream: FakeUpstream | None = None,
+             policy: str = "never", limits: Limits = Limits(), ceiling: CostCeiling | None = None,
+             store: MemoryStore | None = None) -> Decoding:
+    local = FakeLocalModel(VOCAB, "Paris is nice.")
+    upstream = upstream or FakeUpstream("Paris is big.", chars_per_token=20)
+    gate = HandoffGate(Ledger(store or MemoryStore()), "t", limits, allowed=True)
+    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=20, policy=build_policy(policy),
+                            answer_check=check, escalate_below=below, held=held, ceiling=ceiling)
+    return Decoding(local, upstream, gate, request)
+
+
+async def text_of(run: Decoding) -> str:
+    return "".join([piece.text async for piece in run.pieces()])
+
+
+async def test_a_held_answer_rated_below_the_bar_is_replaced_by_the_upstreams():
+    run = decoding(constant(0.3), below=0.5)
+    assert await text_of(run) == "Paris is big."
+    usage = run.usage
+    assert usage.afresh and usage.escalated and usage.answer_confidence == 0.3
+    assert usage.discarded_tokens == 4 and usage.upstream_calls == 1
+    assert run.source_counts() == {"local": 0, "upstream": 4, "cache": 0} and run.finish_reason == "stop"
+    assert run.upstream.calls[0].answer == ""  # asked the prompt alone, as if directly
+
+
+@pytest.mark.parametrize(("confidence", "below", "held"), [(0.7, 0.5, True), (0.3, None, True), (0.3, 0.5, False)])
+async def test_the_local_answer_stands_when_rated_well_unasked_or_already_shown(confidence, below, held):
+    run = decoding(constant(confidence), below=below, held=held)
+    assert await text_of(run) == "Paris is nice."
+    assert not run.usage.afresh and run.usage.upstream_calls == 0
+    assert run.usage.answer_confidence == confidence  # rated all the same
+
+
+async def test_a_failed_fresh_call_leaves_the_local_answer_and_says_so():
+    run = decoding(constant(0.3), below=0.5, upstream=FakeUpstream("Paris is big.", fail=True))
+    assert await text_of(run) == "Paris is nice."
+    assert not run.usage.afresh and run.usage.degraded == ["upstream_unavailable"]
+
+
+async def test_a_budget_that_cannot_cover_the_fresh_call_leaves_the_local_answer():
+    store = MemoryStore()
+    run = decoding(constant(0.3), below=0.5, limits=Limits(day_tokens=5), store=store)
+    assert await text_of(run) == "Paris is nice."
+    assert not run.usage.afresh and "budget_exhausted" in run.usage.degraded
+    assert (await store.usage("t", time.time()))[0].upstream_prompt_tokens == 0
+
+
+async def test_the_cost_ceiling_holds_for_the_fresh_call():
+    upstream = FakeUpstream("Paris is big.", chars_per_token=1)
+    # hand-offs of every token spend the answer's allowance first: no room is left to ask afresh
+    run = decoding(constant(0.3), below=0.5, upstream=upstream, policy="always",
+                   ceiling=CostCeiling(1.0, upstream.prices, 10))
+    await text_of(run)
+    assert not run.usage.afresh and "cost_ceiling" in run.usage.degraded
+    assert run.request.ceiling.spent_usd <= run.request.ceiling.direct_usd() + 1e-12
+
+
+def test_stats_of_signals_match_those_an_evaluation_record_keeps():
+    signals = [Signal(entropy=e, top1=t, margin=0.0, position=i) for i, (e, t) in enumerate([(0.5, 0.75), (1.5, 0.25)])]
+    stats = AnswerStats.of(signals, 2, "length")
+    record = {"mean_entropy": 1.0, "max_entropy": 1.5, "mean_top1": 0.5, "first_entropy": 0.5, "answer_tokens": 2,
+              "finish_reason": "length"}
+    assert stats == AnswerStats.of_record(record)
+    assert stats.features().tolist() == pytest.approx([1.0, 1.5, 0.5, 0.5, np.log(3), 1.0])
+
+
+def records(n: int, seed: int = 0) -> list[dict]:
+    """Local answers that are right when their mean entropy is low, give or take some noise."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        entropy = rng.uniform(0, 2)
+        out.append({"id": f"q{i}", "row": i, "correct": bool(entropy + rng.normal(0, 0.3) < 1.0),
+                    "mean_entropy": entropy, "max_entropy": entropy * 3, "mean_top1": 1 - entropy / 3,
+                    "first_entropy": rng.uniform(0, 1), "answer_tokens": int(rng.integers(50, 300)),
+                    "finish_reason": "stop", "text": "local", "wall_s": 1.0, "upstream_calls": 0,
+                    "upstream_prompt_tokens": 0, "upstream_completion_tokens": 0, "upstream_cost_usd": 0.0})
+    return out
+
+
+def test_a_fitted_check_ranks_answers_and_its_file_round_trips(tmp_path):
+    fitted = fit(records(300), [0.2, 0.5], SHA, {"dataset": "synthetic"})
+    rated = [(fitted.confidence(AnswerStats.of_record(r)), r["correct"]) for r in records(200, seed=1)]
+    right = np.mean([c for c, ok in rated if ok])
+    wrong = np.mean([c for c, ok in rated if not ok])
+    assert right > wrong + 0.3
+    assert 0 < fitted.shares[0.2] < fitted.shares[0.5] < 1
+    path = tmp_path / "check.json"
+    path.write_text(json.dumps(fitted.to_json()))
+    loaded = AnswerCheck.load(path, SHA)
+    assert loaded.confidence(AnswerStats.of_record(records(1)[0])) == fitted.confidence(AnswerStats.of_record(records(1)[0]))
+    assert loaded.meta["fit_answers"] == 300
+
+
+@pytest.mark.parametrize("change", [{"model_sha256": "b" * 64}, {"format": "other"}, {"features": ["x"]},
+                                    {"weights": [1.0]}, {"scale": [0.0] * len(FEATURES)}])
+def test_a_check_file_for_another_model_or_of_another_shape_is_refused(tmp_path, change):
+    path = tmp_path / "check.json"
+    path.write_text(json.dumps({**constant(0.5).to_json(), **change}))
+    with pytest.raises(RouterError):
+        AnswerCheck.load(path, SHA)
+
+
+def test_derived_records_take_the_upstreams_answer_below_the_bar_and_bill_both():
+    local = records(40)
+    for record in local:
+        record["upstream_calls"], record["upstream_cost_usd"] = 2, 0.5  # a routed base's hand-offs
+    upstream = [{**r, "text": "upstream", "correct": True, "upstream_calls": 1, "upstream_cost_usd": 1.0,
+                 "wall_s": 2.0} for r in local]
+    check = fit(local, [0.5], SHA, {})
+    out = derived(local, upstream, check, check.shares[0.5], "local,afresh=x")
+    asked = [r for r in out if r["afresh"]]
+    assert 15 <= len(asked) <= 25 and all(r["text"] == "upstream" for r in asked)
+    assert all(r["upstream_calls"] == 3 and r["upstream_cost_usd"] == 1.5 and r["wall_s"] == 3.0 for r in asked)
+    assert all(r["text"] == "local" and r["upstream_calls"] == 2 for r in out if not r["afresh"])
+    assert max(r["answer_confidence"] for r in asked) < min(r["answer_confidence"] for r in out if not r["afresh"])
+
+
+def test_afresh_configs_parse_and_bad_ones_are_refused():
+    local = parse_config("local,afresh=0.3")
+    assert local.policy == "never" and local.escalate_below == 0.3 and local.uses_upstream and local.family == "afresh"
+    routed = parse_config("learned@0.05,afresh=0.25")
+    assert routed.policy == "learned" and routed.escalate_below == 0.25
+    for bad in ("local,afresh=2", "local,span=3", "upstream,afresh=0.3"):
+        with pytest.raises(ValueError):
+            parse_config(bad)
+
+
+# -- against a live gateway whose upstream is a real llama-server (tokens mode) --
+
+@pytest.fixture(scope="module")
+def checked(smol_llama_server, tmp_path_factory):
+    """A gateway whose alias `checked` (local only, an upstream for fresh answers) rates every answer 0.5."""
+    from adapters.model_files import model_sha256
+    from tests.conftest import SMOL, gateway_config, live_gateway
+
+    tmp = tmp_path_factory.mktemp("afresh")
+    path = tmp / "check.json"
+    path.write_text(json.dumps({**constant(0.5).to_json(), "model_sha256": model_sha256(SMOL)}))
+    config = gateway_config(smol_llama_server, mode="tokens")
+    config["aliases"]["checked"] = {"local": "smol", "upstream": "up",
+                                    "routing": {"policy": "never", "answer_check": str(path)}}
+    with live_gateway(config, tmp) as running:
+        yield running
+
+
+def chat(client, content: str, model: str = "checked", **kw):
+    routing = kw.pop("routing", {})
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], max_tokens=24,
+                                          temperature=0, extra_body={"routing": routing}, **kw)
+
+
+@pytest.mark.integration
+def test_a_held_answer_below_the_bar_is_the_upstreams_direct_answer(checked):
+    import httpx
+
+    from tests.conftest import ADMIN_KEY
+
+    client = checked.client()
+    fresh = chat(client, "Name three rivers.", routing={"escalate_below": 0.6})
+    routing = fresh.usage.model_extra["routing"]
+    assert routing["afresh"] == 1 and routing["answer_confidence"] == 0.5 and routing["discarded_tokens"] > 0
+    assert routing["local_tokens"] == 0 and routing["upstream_calls"] == 1
+    direct = chat(client, "Name three rivers.", model="routed", routing={"policy": "always", "span": 24})
+    assert fresh.choices[0].message.content == direct.choices[0].message.content != ""
+    metrics = httpx.get(f"{checked.base_url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
+    assert 'gateway_afresh_answers_total{alias="checked"} 1.0' in metrics
+
+
+@pytest.mark.integration
+def test_streamed_answers_are_rated_but_never_asked_afresh(checked):
+    stream = chat(checked.client(), "Name three lakes.", routing={"escalate_below": 0.6}, stream=True,
+                  stream_options={"include_usage": True})
+    routing = list(stream)[-1].usage.model_extra["routing"]
+    assert routing["afresh"] == 0 and routing["answer_confidence"] == 0.5 and routing["local_tokens"] > 0
+
+
+@pytest.mark.integration
+def test_each_choice_and_a_legacy_completion_are_checked_on_their_own(checked):
+    client = checked.client()
+    both = chat(client, "Name three seas.", routing={"escalate_below": 0.6}, n=2).usage.model_extra["routing"]
+    assert both["afresh"] == 2 and both["answer_confidence"] == [0.5, 0.5] and both["local_tokens"] == 0
+    kept = chat(client, "Name three seas.", routing={"escalate_below": 0.4}).usage.model_extra["routing"]
+    assert kept["afresh"] == 0 and kept["upstream_calls"] == 0 and kept["local_tokens"] > 0
+    legacy = client.completions.create(model="checked", prompt="Three seas:", max_tokens=12, temperature=0,
+                                       extra_body={"routing": {"escalate_below": 0.6}})
+    assert legacy.usage.model_extra["routing"]["afresh"] == 1
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("model", "below"), [("routed", 0.5), ("checked", 1.5)])
+def test_escalate_below_without_a_check_or_out_of_range_is_a_400_naming_it(checked, model, below):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(checked.client(), "Hi", model=model, routing={"escalate_below": below})
+    assert caught.value.body["param"] == "routing.escalate_below"
