@@ -121,7 +121,10 @@ def _parser() -> argparse.ArgumentParser:
                                                 "records (no decoding), and print how the check ranks its answers")
     _where(afresh)
     afresh.add_argument("--check", type=Path, required=True, help="the answer check file")
-    afresh.add_argument("--below", nargs="+", type=float, required=True, help="escalate_below values (P)")
+    afresh.add_argument("--below", nargs="*", type=float, default=[], help="escalate_below values (P)")
+    afresh.add_argument("--at-shares", action="store_true", help="also at the check's escalate_below for each share "
+                                                                 "it was fitted for")
+    afresh.add_argument("--against", help="a run that decoded the same configs: count the answers both agree on")
     afresh.add_argument("--rows", help="only these dataset rows, e.g. 50:200")
     afresh.add_argument("--base", default="local", help="the config whose answers are checked (default local)")
     afresh.add_argument("--from-run", help="read local/base and upstream records from this run (default --run-name)")
@@ -487,7 +490,7 @@ def _answer_check(args: argparse.Namespace) -> int:
 def _afresh(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from eval.afresh import confidences_of, derived
+    from eval.afresh import agreement, confidences_of, derived
     from eval.analysis import auroc
     from eval.records import append_record, in_rows, read_records, records_path
     from policies.answer_check import AnswerCheck
@@ -504,7 +507,13 @@ def _afresh(args: argparse.Namespace) -> int:
     print(f"{len(base)} {args.base} answers, {labels.mean():.1%} correct; the check's AUROC on them "
           f"{auroc(confidences_of(check, base), labels):.4f}")
     run_dir = args.runs_dir / args.run_name
-    for below in args.below:
+    if run_dir.resolve() != source.resolve():  # the base and upstream records beside the derived ones, to compare
+        for name, found in ((args.base, base), ("upstream", upstream)):
+            path = records_path(run_dir, args.dataset, name)
+            path.unlink(missing_ok=True)
+            for record in found:
+                append_record(path, record)
+    for below in [*args.below, *(sorted(check.shares.values()) if args.at_shares else [])]:
         name = f"{args.base},afresh={below:g}"
         path = records_path(run_dir, args.dataset, name)
         path.unlink(missing_ok=True)  # derived, so always rewritten whole
@@ -513,6 +522,10 @@ def _afresh(args: argparse.Namespace) -> int:
             append_record(path, record)
         asked = sum(r["afresh"] for r in records)
         print(f"{name}: {asked} of {len(records)} asked afresh, {sum(r['correct'] for r in records)} correct")
+        if args.against:
+            decoded = read_records(records_path(args.runs_dir / args.against, args.dataset, name))
+            same, compared = agreement(decoded, records)
+            print(f"  decoded in {args.against}: {compared} answers, {same} with the same text as derived")
     return 0
 
 

@@ -66,3 +66,10 @@ def _escalated(base: dict[str, Any], fresh: dict[str, Any]) -> dict[str, Any]:
     for key in BILLED:
         record[key] = base.get(key, 0) + fresh.get(key, 0)
     return record
+
+
+def agreement(decoded: Sequence[dict[str, Any]], derived_records: Sequence[dict[str, Any]]) -> tuple[int, int]:
+    """(answers with the same text and the same afresh decision, answers compared) over the items both hold."""
+    by_id = {r["id"]: r for r in derived_records}
+    pairs = [(r, by_id[r["id"]]) for r in decoded if r["id"] in by_id]
+    return sum(a["text"] == b["text"] and bool(a.get("afresh")) == b["afresh"] for a, b in pairs), len(pairs)

@@ -59,11 +59,12 @@ class Item:
 
 
 def parse_rows(spec: str | None) -> slice:
-    """'0:200' -> slice(0, 200); None or '' -> every row."""
+    """'0:200' -> slice(0, 200); '1:200:2' -> every other row from 1; None or '' -> every row."""
     if not spec:
         return slice(None)
-    start, _, stop = spec.partition(":")
-    return slice(int(start) if start else None, int(stop) if stop else None)
+    start, _, rest = spec.partition(":")
+    stop, _, step = rest.partition(":")
+    return slice(int(start) if start else None, int(stop) if stop else None, int(step) if step else None)
 
 
 def load_items(dataset: str, path: Path | None = None, rows: str | None = None) -> list[Item]:

@@ -83,5 +83,5 @@ def append_invocation(run_dir: Path, meta: dict[str, Any]) -> None:
 
 def in_rows(records: Iterable[dict[str, Any]], rows: slice) -> list[dict[str, Any]]:
     """The records whose dataset row index falls in `rows` (a slice with non-negative bounds)."""
-    start, stop = rows.start or 0, rows.stop
-    return [r for r in records if r["row"] >= start and (stop is None or r["row"] < stop)]
+    start, stop, step = rows.start or 0, rows.stop, rows.step or 1
+    return [r for r in records if r["row"] >= start and (stop is None or r["row"] < stop) and (r["row"] - start) % step == 0]

@@ -228,3 +228,13 @@ def test_escalate_below_without_a_check_or_out_of_range_is_a_400_naming_it(check
     with pytest.raises(openai.BadRequestError) as caught:
         chat(checked.client(), "Hi", model=model, routing={"escalate_below": below})
     assert caught.value.body["param"] == "routing.escalate_below"
+
+
+def test_rows_with_a_step_select_every_other_row_for_disjoint_fit_and_report_halves():
+    from eval.datasets import parse_rows
+    from eval.records import in_rows
+
+    rows = [{"row": i} for i in range(10)]
+    assert [r["row"] for r in in_rows(rows, parse_rows("0:10:2"))] == [0, 2, 4, 6, 8]
+    assert [r["row"] for r in in_rows(rows, parse_rows("1::2"))] == [1, 3, 5, 7, 9]
+    assert [r["row"] for r in in_rows(rows, parse_rows("3:6"))] == [3, 4, 5]
