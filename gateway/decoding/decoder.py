@@ -264,10 +264,10 @@ class Decoding:
         None (the answer stands) when the call fails, is refused, or would pass the cost ceiling."""
         handoff = self.upstream.with_answer(self._handoff, "")
         span = self.limit if self._grammar is None else min(self.limit, GRAMMAR_SPAN)
-        held = 0.0
+        hold = 0.0
         if self._capped_cost:
-            held = self.request.ceiling.hold(self.request.choice, 0, self.upstream.estimate_prompt_tokens(handoff), span)
-            if held is None:
+            hold = self.request.ceiling.hold(self.request.choice, 0, self.upstream.estimate_prompt_tokens(handoff), span)
+            if hold is None:
                 self.usage.degrade("cost_ceiling")
                 return None
         billed_before = self.usage.upstream_cost_usd
@@ -275,7 +275,7 @@ class Decoding:
             got = await self._uncut_continuation(handoff, span)
         finally:
             if self.request.ceiling is not None:
-                self.request.ceiling.settle(held, self.usage.upstream_cost_usd - billed_before)
+                self.request.ceiling.settle(hold, self.usage.upstream_cost_usd - billed_before)
         if got is None:
             return None
         self.usage.escalated = self.usage.afresh = True
