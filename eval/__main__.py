@@ -490,7 +490,7 @@ def _answer_check(args: argparse.Namespace) -> int:
 def _afresh(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from eval.afresh import agreement, confidences_of, derived
+    from eval.afresh import agreement, confidences_of, derived, reliability
     from eval.analysis import auroc
     from eval.records import append_record, in_rows, read_records, records_path
     from policies.answer_check import AnswerCheck
@@ -503,9 +503,12 @@ def _afresh(args: argparse.Namespace) -> int:
     if not base or not upstream:
         raise ValueError(f"{source} needs {args.base} and upstream records of {args.dataset}")
     check = AnswerCheck.load(args.check)
-    labels = np.array([float(r["correct"]) for r in base])
+    labels, confidences = np.array([float(r["correct"]) for r in base]), confidences_of(check, base)
     print(f"{len(base)} {args.base} answers, {labels.mean():.1%} correct; the check's AUROC on them "
-          f"{auroc(confidences_of(check, base), labels):.4f}")
+          f"{auroc(confidences, labels):.4f}\n\n| confidence | answers | mean confidence | correct |\n|---|---|---|---|")
+    for low, high, count, mean, correct in reliability(confidences, labels):
+        print(f"| {low:.3f}-{high:.3f} | {count} | {mean:.3f} | {correct:.1%} |")
+    print()
     run_dir = args.runs_dir / args.run_name
     if run_dir.resolve() != source.resolve():  # the base and upstream records beside the derived ones, to compare
         for name, found in ((args.base, base), ("upstream", upstream)):

@@ -238,3 +238,13 @@ def test_rows_with_a_step_select_every_other_row_for_disjoint_fit_and_report_hal
     assert [r["row"] for r in in_rows(rows, parse_rows("0:10:2"))] == [0, 2, 4, 6, 8]
     assert [r["row"] for r in in_rows(rows, parse_rows("1::2"))] == [1, 3, 5, 7, 9]
     assert [r["row"] for r in in_rows(rows, parse_rows("3:6"))] == [3, 4, 5]
+
+
+def test_the_reliability_table_bins_answers_by_confidence_in_equal_counts():
+    from eval.afresh import reliability
+
+    confidences = np.array([0.9, 0.1, 0.8, 0.2, 0.85, 0.15])
+    labels = np.array([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    low, high = reliability(confidences, labels, bins=2)
+    assert low == (0.1, 0.2, 3, pytest.approx(0.15), pytest.approx(1 / 3))
+    assert high == (0.8, 0.9, 3, pytest.approx(0.85), pytest.approx(2 / 3))
