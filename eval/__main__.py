@@ -113,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--fit-rows", help="rows to fit on (default: every local answer of the run)")
     check.add_argument("--share", nargs="+", type=float, required=True,
                        help="shares of the fit answers to ask afresh: the file records escalate_below for each")
+    check.add_argument("--also", action="append", default=[], metavar="DATASET,RUN[,ROWS]",
+                       help="fit on another run's local answers too (one check for mixed traffic); repeat")
     check.add_argument("--local", default=LOCAL, help=f"the local model that wrote the answers (default {LOCAL})")
     check.add_argument("--out", type=Path, required=True, help="the answer check file to write")
     check.set_defaults(command=_answer_check)
@@ -468,13 +470,16 @@ def _answer_check(args: argparse.Namespace) -> int:
     from eval.analysis import auroc
     from eval.records import in_rows, read_records, records_path
 
-    path = records_path(args.runs_dir / args.run_name, args.dataset, "local")
-    records = read_records(path)
-    records = in_rows(records, parse_rows(args.fit_rows)) if args.fit_rows else records
-    if not records:
-        raise ValueError(f"no local answers in {path}" + (f" for rows {args.fit_rows}" if args.fit_rows else ""))
-    meta = {"command": f"python -m eval {shlex.join(sys.argv[1:])}", "dataset": args.dataset,
-            "run": args.run_name, "fit_rows": args.fit_rows or "all"}
+    sources = [(args.dataset, args.run_name, args.fit_rows), *(_source(spec) for spec in args.also)]
+    records = []
+    for dataset, run, rows in sources:
+        path = records_path(args.runs_dir / run, dataset, "local")
+        found = in_rows(read_records(path), parse_rows(rows)) if rows else read_records(path)
+        if not found:
+            raise ValueError(f"no local answers in {path}" + (f" for rows {rows}" if rows else ""))
+        records += found
+    meta = {"command": f"python -m eval {shlex.join(sys.argv[1:])}",
+            "fitted_on": [{"dataset": d, "run": r, "rows": rows or "all"} for d, r, rows in sources]}
     check = fit(records, args.share, model_sha256(args.local), meta)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(check.to_json(), indent=1) + "\n")
@@ -485,6 +490,14 @@ def _answer_check(args: argparse.Namespace) -> int:
         print(f"ask {share:.0%} afresh: escalate_below {below:.4f}")
     print(f"answer check: {args.out}")
     return 0
+
+
+def _source(spec: str) -> tuple[str, str, str | None]:
+    """'DATASET,RUN[,ROWS]' -> (dataset, run, rows)."""
+    parts = spec.split(",")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"--also {spec!r}: use DATASET,RUN or DATASET,RUN,ROWS")
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else None
 
 
 def _afresh(args: argparse.Namespace) -> int:
