@@ -248,3 +248,18 @@ def test_the_reliability_table_bins_answers_by_confidence_in_equal_counts():
     low, high = reliability(confidences, labels, bins=2)
     assert low == (0.1, 0.2, 3, pytest.approx(0.15), pytest.approx(1 / 3))
     assert high == (0.8, 0.9, 3, pytest.approx(0.85), pytest.approx(2 / 3))
+
+
+def test_every_shipped_router_and_check_loads_for_the_reference_local_model():
+    from pathlib import Path
+
+    from adapters.model_files import model_sha256
+    from policies.learned import Router
+
+    sha = model_sha256("qwen2.5-coder-0.5b-instruct")
+    files = sorted((Path(__file__).resolve().parent.parent / "routers").glob("*.json"))
+    checks = [f for f in files if "answer-check" in f.name]
+    assert checks and len(files) > len(checks)
+    for path in files:
+        loaded = AnswerCheck.load(path, sha) if path in checks else Router.load(path, sha)
+        assert loaded.model_sha256 == sha
