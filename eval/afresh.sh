@@ -46,7 +46,8 @@ $EVAL afresh --dataset gsm8k --run-name afresh_gsm8k_report --from-run learned_g
   --below "$CHOSEN" --at-shares --against afresh_gsm8k_live
 $EVAL costs --dataset gsm8k --run-name afresh_gsm8k_report --sheet frontier-openai --sheet deepseek \
   --sheet frontier-anthropic --sheet self-hosted
-$EVAL report --dataset gsm8k --run-name afresh_gsm8k_report --paired
+$EVAL report --dataset gsm8k --run-name afresh_gsm8k_report --paired --costs \
+  --costs-plot docs/results_afresh_gsm8k.png --title "GSM8K asking afresh, dev rows 100-198 (report slice)"
 
 # 5. one check for mixed traffic: fitted on every fit slice above together, rated on each report slice
 M=results/runs/afresh_mixed
