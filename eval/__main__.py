@@ -211,7 +211,8 @@ async def _run_async(args: argparse.Namespace, plan: Any, total: int) -> dict[st
     options = ModelOptions(args.local, args.upstream, args.n_ctx, args.threads, args.input_usd_per_mtok,
                            args.output_usd_per_mtok, upstream_api_base=args.upstream_api_base,
                            parallel=args.parallel, upstream_server=args.upstream_server, warm=args.warm,
-                           router=args.router, check=args.check, sheet=load_sheet(args.decision_sheet) if args.decision_sheet else None)
+                           router=args.router, check=args.check,
+                           sheet=load_sheet(args.decision_sheet) if args.decision_sheet else None)
     models = await open_models(options, with_upstream=any(s.uses_upstream for s in plan.configs))
     try:
         with tqdm(total=total, unit="item", mininterval=2.0, dynamic_ncols=True) as bar:
@@ -505,7 +506,7 @@ def _afresh(args: argparse.Namespace) -> int:
 
     from eval.afresh import agreement, confidences_of, derived, reliability
     from eval.analysis import auroc
-    from eval.records import append_record, in_rows, read_records, records_path
+    from eval.records import in_rows, read_records, records_path, write_records
     from policies.answer_check import AnswerCheck
 
     source = args.runs_dir / (args.from_run or args.run_name)
@@ -525,17 +526,11 @@ def _afresh(args: argparse.Namespace) -> int:
     run_dir = args.runs_dir / args.run_name
     if run_dir.resolve() != source.resolve():  # the base and upstream records beside the derived ones, to compare
         for name, found in ((args.base, base), ("upstream", upstream)):
-            path = records_path(run_dir, args.dataset, name)
-            path.unlink(missing_ok=True)
-            for record in found:
-                append_record(path, record)
+            write_records(records_path(run_dir, args.dataset, name), found)
     for below in [*args.below, *(sorted(check.shares.values()) if args.at_shares else [])]:
         name = f"{args.base},afresh={below:g}"
-        path = records_path(run_dir, args.dataset, name)
-        path.unlink(missing_ok=True)  # derived, so always rewritten whole
         records = derived(base, upstream, check, below, name)
-        for record in records:
-            append_record(path, record)
+        write_records(records_path(run_dir, args.dataset, name), records)
         asked = sum(r["afresh"] for r in records)
         print(f"{name}: {asked} of {len(records)} asked afresh, {sum(r['correct'] for r in records)} correct")
         if args.against:

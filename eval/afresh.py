@@ -6,12 +6,13 @@ for given shares of those answers. `derived` builds the records a config `<base>
 write from the records of `<base>` and `upstream` on the same items: both are greedy and
 deterministic, and the gateway's fresh call is the upstream-only config's one call for the whole
 answer, so an escalated answer is the upstream's record (billed on top of what the base answer's
-hand-offs billed) and the rest are the base's. `python -m eval run` decodes such a config for real;
-`tests/test_afresh.py` and the results check that both agree.
+hand-offs billed) and the rest are the base's. `python -m eval run` decodes such a config for real,
+and `agreement` counts the answers a decoded run and the derived records share.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,11 +32,10 @@ def fit(records: Sequence[dict[str, Any]], shares: Sequence[float], model_sha256
     x = np.array([AnswerStats.of_record(r).features() for r in records])
     y = np.array([float(r["correct"]) for r in records])
     weights, bias, mean, scale = fit_logistic(x, y, l2)
-    check = AnswerCheck(weights, bias, mean, scale, {}, model_sha256, {**meta, "fit_answers": len(records),
-                                                                        "fit_accuracy": round(float(y.mean()), 4)})
+    check = AnswerCheck(weights, bias, mean, scale, {}, model_sha256,
+                        {**meta, "fit_answers": len(records), "fit_accuracy": round(float(y.mean()), 4)})
     confidences = confidences_of(check, records)
-    return AnswerCheck(weights, bias, mean, scale, {float(s): round(float(np.quantile(confidences, s)), 5)
-                                                    for s in shares}, model_sha256, check.meta)
+    return dataclasses.replace(check, shares={float(s): round(float(np.quantile(confidences, s)), 5) for s in shares})
 
 
 def confidences_of(check: AnswerCheck, records: Sequence[dict[str, Any]]) -> np.ndarray:

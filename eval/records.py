@@ -47,6 +47,12 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
         handle.flush()
 
 
+def write_records(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    """Replace `path` with `records`, one per line (for records derived from others, never resumed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records), encoding="utf-8")
+
+
 def _ends_with_newline(path: Path) -> bool:
     with path.open("rb") as handle:
         handle.seek(-1, os.SEEK_END)
