@@ -33,3 +33,11 @@ for config in upstream local learned@0.05; do
 done
 $EVAL run --dataset gsm8k --rows 0:30 --max-tokens 512 --run-name "$run" --warm --block 2 --router $GSM8K_ROUTER \
   --decision-sheet frontier-openai --configs learned@0.05,value=1
+
+# max_cost_ratio 1: the per-answer distribution of billed over asking directly (frontier-openai's
+# prices, the prompt under its cache minimum so every hand-off re-bills it)
+$EVAL run --dataset gsm8k --rows 0:30 --max-tokens 512 --run-name "$run" --warm --block 2 --router $GSM8K_ROUTER \
+  --decision-sheet frontier-openai --configs learned@0.05,ceiling=1
+run=price_ifeval_frontier-openai  # local, upstream and learned@0.1 copied from learned_ifeval_task's rows 0-29
+$EVAL run --dataset ifeval --rows 0:30 --run-name "$run" --block 2 --router routers/ifeval-gsm8k-qwen2.5-coder-0.5b.json \
+  --decision-sheet frontier-openai --configs learned@0.1,ceiling=1
