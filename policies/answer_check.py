@@ -15,7 +15,6 @@ it was fitted on (`shares`), to help choose a threshold.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Iterable
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from policies.base import Signal
-from policies.learned import RouterError
+from policies.learned import RouterError, check_header, read_json, standardised_logistic
 
 CHECK_FORMAT = "routing-gateway/answer-check@1"
 FEATURES = ("mean_entropy", "max_entropy", "mean_top1", "first_entropy", "log_answer_tokens", "cut_by_length")
@@ -90,27 +89,14 @@ class AnswerCheck:
     @classmethod
     def load(cls, path: str | Path, model_sha256: str | None = None) -> "AnswerCheck":
         """Read a check file; RouterError if it is not one, or was fitted for another local model."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise RouterError(f"cannot read answer check {path}: {exc}") from exc
-        if not isinstance(data, dict) or data.get("format") != CHECK_FORMAT:
+        data = read_json(path, "answer check")
+        if not isinstance(data, dict):
             raise RouterError(f"{path} is not an answer check file ({CHECK_FORMAT})")
-        if data.get("features") != list(FEATURES):
-            raise RouterError(f"{path} reads features {data.get('features')}, this gateway computes {list(FEATURES)}")
-        if model_sha256 is not None and data.get("model_sha256") != model_sha256:
-            raise RouterError(f"{path} was fitted for the local model with sha256 {data.get('model_sha256')}, "
-                              f"not {model_sha256}")
+        check_header(data, path, CHECK_FORMAT, model_sha256, FEATURES)
+        weights, bias, mean, scale = standardised_logistic(data, path, len(FEATURES))
         try:
-            check = cls(np.array(data["weights"], dtype=float), float(data["bias"]),
-                        np.array(data["mean"], dtype=float), np.array(data["scale"], dtype=float),
-                        {float(k): float(v) for k, v in data["shares"].items()}, str(data["model_sha256"]),
-                        {k: v for k, v in data.items() if k not in CORE_KEYS})
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            shares = {float(k): float(v) for k, v in data.get("shares", {}).items()}
+        except (TypeError, ValueError, AttributeError) as exc:
             raise RouterError(f"{path} is not a complete answer check file: {exc!r}") from exc
-        vectors = (check.weights, check.mean, check.scale)
-        if any(v.shape != (len(FEATURES),) or not np.isfinite(v).all() for v in vectors) or \
-                not (check.scale > 0).all() or not math.isfinite(check.bias):
-            raise RouterError(f"{path} is not a usable answer check: weights, mean and scale need {len(FEATURES)} "
-                              "finite numbers each (scale positive)")
-        return check
+        return cls(weights, bias, mean, scale, shares, str(data["model_sha256"]),
+                   {k: v for k, v in data.items() if k not in CORE_KEYS})

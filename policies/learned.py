@@ -83,10 +83,7 @@ class Router:
     def load(cls, path: str | Path, model_sha256: str | None = None) -> "Router | MlpRouter":
         """Read a router file of either kind; RouterError if it is not one, or was trained for
         another model."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise RouterError(f"cannot read router {path}: {exc}") from exc
+        data = read_json(path, "router")
         if isinstance(data, dict) and data.get("kind", "logistic") != "logistic":
             from policies.mlp_router import MlpRouter  # it builds on this module
 
@@ -97,29 +94,52 @@ class Router:
         if not isinstance(data, dict):
             raise RouterError(f"{path} is not a router file ({FORMAT})")
         check_header(data, path, FORMAT, model_sha256)
+        weights, bias, mean, scale = standardised_logistic(data, path, len(FEATURES))
         try:
-            router = cls(np.array(data["weights"], dtype=float), float(data["bias"]),
-                         np.array(data["mean"], dtype=float), np.array(data["scale"], dtype=float),
-                         {float(k): float(v) for k, v in data["shares"].items()}, str(data["model_sha256"]),
-                         {k: v for k, v in data.items() if k not in CORE_KEYS})
+            shares = {float(k): float(v) for k, v in data["shares"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RouterError(f"{path} is not a complete router file: {exc!r}") from exc
-        vectors = (router.weights, router.mean, router.scale)
-        if any(v.shape != (len(FEATURES),) or not np.isfinite(v).all() for v in vectors) or \
-                not (router.scale > 0).all() or not math.isfinite(router.bias) or not router.shares:
-            raise RouterError(f"{path} is not a usable router: weights, mean and scale need {len(FEATURES)} finite "
-                              "numbers each (scale positive), and shares at least one threshold")
-        return router
+        if not shares:
+            raise RouterError(f"{path} is not a usable router: shares need at least one threshold")
+        return cls(weights, bias, mean, scale, shares, str(data["model_sha256"]),
+                   {k: v for k, v in data.items() if k not in CORE_KEYS})
 
 
-def check_header(data: dict[str, Any], path: str | Path, file_format: str, model_sha256: str | None) -> None:
-    """RouterError unless the router file `data` is of `file_format`, reads the features this
-    gateway computes, and was trained for the local model `model_sha256` (None: any)."""
+def read_json(path: str | Path, what: str) -> Any:
+    """The JSON in `path`; RouterError (naming `what` the file should be) if it cannot be read."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise RouterError(f"cannot read {what} {path}: {exc}") from exc
+
+
+def standardised_logistic(data: dict[str, Any], path: str | Path, size: int
+                          ) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
+    """(weights, bias, mean, scale) of a file's standardised logistic model over `size` features;
+    RouterError unless each vector holds `size` finite numbers (scale positive) and bias is finite."""
+    try:
+        weights, bias = np.array(data["weights"], dtype=float), float(data["bias"])
+        mean, scale = np.array(data["mean"], dtype=float), np.array(data["scale"], dtype=float)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RouterError(f"{path} is not a complete model file: {exc!r}") from exc
+    if any(v.shape != (size,) or not np.isfinite(v).all() for v in (weights, mean, scale)) or \
+            not (scale > 0).all() or not math.isfinite(bias):
+        raise RouterError(f"{path} is not a usable model: weights, mean and scale need {size} finite numbers "
+                          "each (scale positive)")
+    return weights, bias, mean, scale
+
+
+def check_header(data: dict[str, Any], path: str | Path, file_format: str, model_sha256: str | None,
+                 features: tuple[str, ...] = FEATURES) -> None:
+    """RouterError unless the file `data` is of `file_format`, reads `features` (those this
+    gateway computes), and was trained for the local model `model_sha256` (None: any)."""
     if data.get("format") != file_format:
         raise RouterError(f"{path} is not a router file ({file_format})")
-    if data.get("features") != list(FEATURES):
+    if data.get("features") != list(features):
         raise RouterError(f"{path} was trained on features {data.get('features')}, this gateway computes "
-                          f"{list(FEATURES)}")
+                          f"{list(features)}")
+    if not isinstance(data.get("model_sha256"), str):
+        raise RouterError(f"{path} does not say which local model it was trained for (model_sha256)")
     if model_sha256 is not None and data.get("model_sha256") != model_sha256:
         raise RouterError(f"{path} was trained for the local model with sha256 {data.get('model_sha256')}, "
                           f"not {model_sha256}")
