@@ -93,7 +93,7 @@ class AnswerCheck:
         if not isinstance(data, dict):
             raise RouterError(f"{path} is not an answer check file ({CHECK_FORMAT})")
         check_header(data, path, CHECK_FORMAT, model_sha256, FEATURES)
-        weights, bias, mean, scale = standardised_logistic(data, path, len(FEATURES))
+        weights, bias, mean, scale = standardised_logistic(data, path, len(FEATURES), "answer check")
         try:
             shares = {float(k): float(v) for k, v in data.get("shares", {}).items()}
         except (TypeError, ValueError, AttributeError) as exc:

@@ -113,7 +113,7 @@ def read_json(path: str | Path, what: str) -> Any:
         raise RouterError(f"cannot read {what} {path}: {exc}") from exc
 
 
-def standardised_logistic(data: dict[str, Any], path: str | Path, size: int
+def standardised_logistic(data: dict[str, Any], path: str | Path, size: int, what: str = "router"
                           ) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
     """(weights, bias, mean, scale) of a file's standardised logistic model over `size` features;
     RouterError unless each vector holds `size` finite numbers (scale positive) and bias is finite."""
@@ -121,10 +121,10 @@ def standardised_logistic(data: dict[str, Any], path: str | Path, size: int
         weights, bias = np.array(data["weights"], dtype=float), float(data["bias"])
         mean, scale = np.array(data["mean"], dtype=float), np.array(data["scale"], dtype=float)
     except (KeyError, TypeError, ValueError) as exc:
-        raise RouterError(f"{path} is not a complete model file: {exc!r}") from exc
+        raise RouterError(f"{path} is not a complete {what} file: {exc!r}") from exc
     if any(v.shape != (size,) or not np.isfinite(v).all() for v in (weights, mean, scale)) or \
             not (scale > 0).all() or not math.isfinite(bias):
-        raise RouterError(f"{path} is not a usable model: weights, mean and scale need {size} finite numbers "
+        raise RouterError(f"{path} is not a usable {what}: weights, mean and scale need {size} finite numbers "
                           "each (scale positive)")
     return weights, bias, mean, scale
 
