@@ -22,6 +22,14 @@ every token of its batch an output (logits included), so embeddings are turned o
 decode in which some sequence wants one. When such a sequence's last token meets prefill in a
 step, the prefill is decoded first with embeddings off and the wanting sequences' last tokens get
 a decode of their own; a step with no such sequence decodes exactly as before.
+
+A sequence opened with `speculate=True` (greedy decoding) does not leave the engine idle while its
+request decides on a token: as soon as its logits are out, the engine evaluates the local greedy
+token (the argmax) as the sequence's next one, in the next step. If the request's next forward is
+exactly that, its logits are ready, or being computed, when it asks; if not (a hand-off, another
+choice, the answer's end), the guess is dropped and the forward rewinds past it as usual. One
+guess at a time: a guess is extended only once the request has confirmed it. So the hand-over to
+the event loop and the decoder's own work per token overlap with the next llama_decode.
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ class Slot:
     prompt: int = 0  # its request's prompt length: what is worth keeping once the request ends
     freed_at: float = 0.0
     held_scope: str = ""  # the cache scope whose tokens `held` are (engine thread)
+    guess: "_Job | None" = None  # a speculative job evaluated and not yet confirmed (engine thread)
 
 
 @dataclass(eq=False)
@@ -85,6 +94,8 @@ class _Job:
     future: concurrent.futures.Future
     scope: str  # its request's cache scope: it shares KV cells only with slots that hold this scope's tokens
     hidden: bool = False  # also return the last hidden state with the logits
+    speculate: bool = False  # once done, evaluate the argmax token next (see the module's docstring)
+    guess: bool = False  # a speculative job nobody has asked for yet
     todo: list[int] | None = None  # tokens still to evaluate, set when the job starts
 
 
@@ -117,6 +128,9 @@ class Engine:
         self._freed_since_trim = False
         self.steps = 0  # llama_decode calls
         self.evaluated = 0  # tokens those calls evaluated
+        self.speculation = True  # False: sequences opened with `speculate` do not (for benchmarks)
+        self.guesses_taken = 0  # forwards a speculative job answered
+        self.guesses_dropped = 0  # speculative jobs that were not what their request asked next
         self._thread = threading.Thread(target=self._loop, name="llama-engine", daemon=True)
         self._thread.start()
 
@@ -133,9 +147,11 @@ class Engine:
             raise QueueFull(f"{self._waiting} requests are waiting for the local model")
 
     @contextlib.asynccontextmanager
-    async def sequence(self, prompt: list[int], scope: str = "", hidden: bool = False) -> AsyncIterator["Sequence"]:
+    async def sequence(self, prompt: list[int], scope: str = "", hidden: bool = False,
+                       speculate: bool = False) -> AsyncIterator["Sequence"]:
         """A sequence of its own for one request in cache `scope`, until the block exits; with
-        `hidden`, each forward also sets `Sequence.hidden`."""
+        `hidden`, each forward also sets `Sequence.hidden`; with `speculate`, the engine evaluates
+        each greedy next token before it is asked for (see the module's docstring)."""
         if not prompt:  # nothing to decode from: its first step would never produce logits
             raise ValueError("a sequence needs at least one prompt token")
         if hidden and not self.hidden_available:
@@ -145,7 +161,7 @@ class Engine:
             async with self._freed:
                 await self._freed.wait_for(lambda: any(slot.owner is None for slot in self._slots))
                 slot = max((s for s in self._slots if s.owner is None), key=lambda s: self._fit(s, prompt, scope))
-                sequence = Sequence(self, slot, scope, hidden)
+                sequence = Sequence(self, slot, scope, hidden, speculate)
                 slot.owner, slot.prompt = sequence, len(prompt)
         finally:
             self._waiting -= 1
@@ -165,12 +181,12 @@ class Engine:
         return shared - (len(slot.held) - shared)
 
     def _submit(self, slot: Slot, owner: object, tokens: list[int], scope: str,
-                hidden: bool = False) -> concurrent.futures.Future:
+                hidden: bool = False, speculate: bool = False) -> concurrent.futures.Future:
         """A job whose future resolves to (logits, hidden state or None)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             self._expected.discard(slot.id)
-            self._pending.append(_Job(slot, owner, tokens, future, scope, hidden))
+            self._pending.append(_Job(slot, owner, tokens, future, scope, hidden, speculate))
             self._cond.notify()
         return future
 
@@ -206,8 +222,9 @@ class Engine:
                 if self._closing:
                     break
                 self._gather()
-                active += self._pending
-                self._pending = []
+                pending, self._pending = self._pending, []
+            for job in pending:
+                self._admit(job, active)
                 trim, self._freed_since_trim = self._freed_since_trim, False
             if trim:  # only after a request ended: not on every step
                 self._trim_idle(IDLE_KEPT)
@@ -222,12 +239,52 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - the loop must outlive one bad step
                     for job in active:
                         llama_cpp.llama_memory_seq_rm(self._memory, job.slot.id, -1, -1)  # state unknown
-                        job.slot.held = []
+                        job.slot.held, job.slot.guess = [], None
                         if not job.future.done():
                             job.future.set_exception(exc)
                     active = []
         for job in active + self._pending:
             job.future.cancel()
+
+    def _admit(self, job: _Job, active: list[_Job]) -> None:
+        """Take a submitted job into `active`, unless a guess of its sequence answers it: a guess
+        already evaluated gives its result now; one not yet evaluated is confirmed in its place.
+        A guess the job does not match is dropped (the job's rewind undoes its token)."""
+        slot, done = job.slot, job.slot.guess
+        slot.guess = None
+        waiting = next((other for other in active if other.guess and other.slot is slot), None)
+        if waiting is not None:
+            active.remove(waiting)
+            if self._answers(waiting, job):
+                self.guesses_taken += 1
+                if job.future.set_running_or_notify_cancel():
+                    waiting.future, waiting.speculate, waiting.guess = job.future, job.speculate, False
+                    active.append(waiting)
+                return
+        if done is not None and self._answers(done, job):
+            self.guesses_taken += 1
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_result(done.future.result())
+                self._after(job, *done.future.result(), active)
+            return
+        self.guesses_dropped += waiting is not None or done is not None
+        active.append(job)
+
+    @staticmethod
+    def _answers(guess: _Job, job: _Job) -> bool:
+        return guess.tokens == job.tokens and guess.hidden == job.hidden and guess.owner is job.owner
+
+    def _after(self, job: _Job, logits: np.ndarray, hidden: np.ndarray | None, active: list[_Job]) -> None:
+        """A job has its result: a confirmed, speculating one starts its guess (its slot is not
+        waited for); otherwise the step loop waits briefly for its sequence to come back."""
+        if job.guess:
+            job.slot.guess = job
+        if job.speculate and self.speculation and not job.guess and job.slot.owner is job.owner:
+            tokens = [*job.tokens, int(np.argmax(logits))]
+            active.append(_Job(job.slot, job.owner, tokens, concurrent.futures.Future(), job.scope, job.hidden,
+                               speculate=True, guess=True))
+        else:
+            self._expected.add(job.slot.id)
 
     def _gather(self) -> None:
         """Wait (briefly) until every sequence that just got logits has asked for more or paused."""
@@ -246,8 +303,8 @@ class Engine:
         if job.slot.owner is not job.owner:
             job.future.cancel()
             return False
-        if job.todo is None and not job.future.running():
-            if not job.future.set_running_or_notify_cancel():
+        if job.todo is None:
+            if not job.future.running() and not job.future.set_running_or_notify_cancel():
                 return False
             if len(job.tokens) > self.n_ctx:
                 job.future.set_exception(ContextOverflow(f"{len(job.tokens)} tokens exceed the context of {self.n_ctx}"))
@@ -319,13 +376,14 @@ class Engine:
             for job in {job for job, _, _ in placed}:
                 job.future.set_exception(error)
             return [job for job in jobs if job not in {j for j, _, _ in placed}]
+        guesses: list[_Job] = []
         with self._cond:
             for job, start, index in placed:
                 if not job.todo and index is not None:
-                    self._expected.add(job.slot.id)
-                    hidden = self._hidden(index) if embeddings and job.hidden else None
-                    job.future.set_result((self._logits(index), hidden))
-        return [job for job in jobs if job.todo]
+                    result = (self._logits(index), self._hidden(index) if embeddings and job.hidden else None)
+                    job.future.set_result(result)
+                    self._after(job, *result, guesses)
+        return [job for job in jobs if job.todo] + guesses
 
     def _fill_batch(self, jobs: list[_Job], hold: set[_Job] = frozenset()) -> list[tuple[_Job, int, int | None]]:
         """Put each job's next tokens in the batch (decode steps first, then prefill chunks), all
@@ -381,15 +439,16 @@ class Sequence:
     """One request's sequence in the engine. With `wants_hidden`, `hidden` is the local model's last
     hidden state (float32, n_embd) at the step of the latest forward; otherwise None."""
 
-    def __init__(self, engine: Engine, slot: Slot, scope: str, wants_hidden: bool = False) -> None:
+    def __init__(self, engine: Engine, slot: Slot, scope: str, wants_hidden: bool = False,
+                 speculate: bool = False) -> None:
         self._engine, self._slot, self._scope = engine, slot, scope
-        self._wants_hidden = wants_hidden
+        self._wants_hidden, self._speculate = wants_hidden, speculate
         self.hidden: np.ndarray | None = None
 
     async def forward(self, tokens: list[int]) -> np.ndarray:
         """Make the sequence hold `tokens` (a list the caller no longer changes); return the
         logits for the next token (float32)."""
-        future = self._engine._submit(self._slot, self, tokens, self._scope, self._wants_hidden)
+        future = self._engine._submit(self._slot, self, tokens, self._scope, self._wants_hidden, self._speculate)
         logits, self.hidden = await asyncio.wrap_future(future)
         return logits
 
@@ -407,7 +466,7 @@ class Threadpool:
     """A ggml CPU threadpool that lives as long as the engine. Without one, ggml creates and joins
     a new pool for every llama_decode (llama-cpp-python attaches none): ~1 ms a step here."""
 
-    def __init__(self, n_threads: int) -> None:
+    def __init__(self, n_threads: int, poll: int = THREADPOOL_POLL) -> None:
         self._cpu = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
         self._cpu.ggml_threadpool_params_default.restype = _ThreadpoolParams
         self._cpu.ggml_threadpool_params_default.argtypes = [ctypes.c_int]
@@ -415,7 +474,7 @@ class Threadpool:
         self._cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]
         self._cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
         params = self._cpu.ggml_threadpool_params_default(n_threads)
-        params.poll = THREADPOOL_POLL
+        params.poll = poll
         self.pool = self._cpu.ggml_threadpool_new(ctypes.byref(params))
         if not self.pool:
             raise RuntimeError("ggml_threadpool_new failed")

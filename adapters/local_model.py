@@ -80,11 +80,12 @@ class LocalModel:
         """Raise QueueFull when a new request would wait behind too many others."""
         self.engine.check_admission()
 
-    def sequence(self, prompt: list[int], scope: str = "",
-                 hidden: bool = False) -> contextlib.AbstractAsyncContextManager[Sequence]:
+    def sequence(self, prompt: list[int], scope: str = "", hidden: bool = False,
+                 speculate: bool = False) -> contextlib.AbstractAsyncContextManager[Sequence]:
         """A sequence of the engine for one request in cache `scope`, with the last hidden state
-        at each step if `hidden` (see Engine.sequence)."""
-        return self.engine.sequence(prompt, scope, hidden)
+        at each step if `hidden`, evaluating greedy next tokens ahead if `speculate` (see
+        Engine.sequence)."""
+        return self.engine.sequence(prompt, scope, hidden, speculate)
 
     # -- tokens and text (read-only on the vocabulary: safe outside the engine) --
 

@@ -73,7 +73,7 @@ class FakeLocalModel:
     hidden: np.ndarray | None = None  # with a `hidden` sequence: the latest forward's logits stand in for it
 
     @contextlib.asynccontextmanager
-    async def sequence(self, prompt: list[int], scope: str = "", hidden: bool = False):
+    async def sequence(self, prompt: list[int], scope: str = "", hidden: bool = False, speculate: bool = False):
         self.wants_hidden = hidden
         yield self
 

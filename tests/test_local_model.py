@@ -67,10 +67,10 @@ async def solo(smol_path):
 
 
 async def greedy(local: LocalModel, tokens: list[int], steps: int, pause_every: int = 0,
-                 scope: str = "") -> tuple[list[int], list]:
+                 scope: str = "", speculate: bool = False) -> tuple[list[int], list]:
     """`steps` greedy tokens after `tokens` on a sequence of its own (in cache `scope`), and each step's logits."""
     out, seen = [], []
-    async with local.sequence(tokens, scope) as sequence:
+    async with local.sequence(tokens, scope, speculate=speculate) as sequence:
         for step in range(steps):
             logits = await sequence.forward(tokens + out)
             seen.append(logits)
@@ -104,6 +104,30 @@ async def test_a_sequence_joining_and_one_leaving_mid_batch_disturb_nobody(local
     assert local.engine.steps - steps_before < 2 * 12
     for batched, single in zip([await early, late], expected):
         assert_same_greedy(batched, single)
+
+
+async def test_speculating_sequences_take_their_guesses_and_match_each_decoded_alone(local, solo):
+    prompts = [prompt(local, SYSTEM_A, "Bonjour?"), prompt(local, SYSTEM_B, "Ahoy?"),
+               prompt(local, "Be brief.", "Name a colour.")]
+    alone = [await greedy(solo, tokens, 16) for tokens in prompts]
+    steps_before, taken_before = local.engine.steps, local.engine.guesses_taken
+    together = await asyncio.gather(*(greedy(local, tokens, 16, speculate=True) for tokens in prompts))
+    for batched, single in zip(together, alone):
+        assert_same_greedy(batched, single)
+    assert local.engine.guesses_taken - taken_before == 3 * 15  # every forward after the first was guessed
+    assert local.engine.steps - steps_before < 3 * 16  # and the guesses were decoded together
+
+
+async def test_a_guess_the_request_does_not_take_is_undone(local, solo):
+    base = prompt(local, SYSTEM_A, "Count to five.")
+    async with local.sequence(base, speculate=True) as sequence:
+        logits = await sequence.forward(base)
+        second = int(np.argsort(logits)[-2])  # not the greedy token the engine guesses
+        await asyncio.sleep(0.2)  # the guess is evaluated meanwhile
+        dropped_before = local.engine.guesses_dropped
+        other = await sequence.forward(base + [second])
+        assert local.engine.guesses_dropped == dropped_before + 1
+    assert_same_step(other, (await greedy(solo, base + [second], 1))[1][0])
 
 
 async def test_rewinding_a_wrong_guess_matches_a_cold_start(local, solo):

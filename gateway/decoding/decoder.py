@@ -207,7 +207,8 @@ class Decoding:
         signals: list[Signal] = []  # what the check rates
         try:
             async with self.local.sequence(self.prompt_tokens, self.gate.cache_scope,
-                                           hidden=self.request.policy.reads_hidden) as sequence:
+                                           hidden=self.request.policy.reads_hidden,
+                                           speculate=self.request.sampling.greedy) as sequence:
                 while True:
                     while self.finish_reason is None:
                         for piece in await self._step(sequence):
