@@ -46,10 +46,20 @@ def server_root(api_base: str) -> str:
     return api_base.removesuffix("/").removesuffix("/v1")
 
 
-async def erase_slot(root: str, slot: int, timeout_s: float) -> None:
-    """Empty one slot of the llama-server at `root` (it must run with `forgetful_args`)."""
+async def erase_slot(root: str, slot: int, timeout_s: float, restore: str | None = None) -> None:
+    """Empty one slot of the llama-server at `root` (it must run with `forgetful_args`), or make it
+    hold exactly what a file saved by `save_slot` holds."""
     async with httpx.AsyncClient(timeout=timeout_s) as client:
-        (await client.post(f"{root}/slots/{slot}", params={"action": "erase"})).raise_for_status()
+        action = {"action": "erase"} if restore is None else {"action": "restore"}
+        body = None if restore is None else {"filename": restore}
+        (await client.post(f"{root}/slots/{slot}", params=action, json=body)).raise_for_status()
+
+
+async def save_slot(root: str, slot: int, filename: str, timeout_s: float) -> None:
+    """Save what one slot holds under `filename` in the server's --slot-save-path."""
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        (await client.post(f"{root}/slots/{slot}", params={"action": "save"},
+                           json={"filename": filename})).raise_for_status()
 
 
 def llama_server_binary() -> str:
@@ -141,10 +151,21 @@ class UpstreamServer:
         self._terminate()
         raise UpstreamServerError(f"upstream server on port {self.port} not ready after {timeout_s:.0f}s")
 
-    async def forget(self, slots: int) -> None:
-        """Erase what llama-server's `slots` sequences hold (it must run with `forgetful_args`)."""
+    async def forget(self, slots: int, keep: str | None = None) -> None:
+        """Erase what llama-server's `slots` sequences hold (it must run with `forgetful_args`);
+        with `keep` (a file saved by `remember`), each holds that saved prefix instead."""
         for slot in range(slots):
-            await erase_slot(server_root(self.api_base), slot, 30.0)
+            await erase_slot(server_root(self.api_base), slot, 30.0, restore=keep)
+
+    async def remember(self, prompt: list[int], filename: str) -> None:
+        """Evaluate `prompt` (token ids) in slot 0 and save it as `filename`, for `forget(keep=)`."""
+        root = server_root(self.api_base)
+        await erase_slot(root, 0, 30.0)
+        async with httpx.AsyncClient(timeout=600.0) as client:
+            response = await client.post(f"{root}/completion", json={"prompt": prompt, "n_predict": 1, "id_slot": 0,
+                                                                     "cache_prompt": True, "temperature": 0})
+            response.raise_for_status()
+        await save_slot(root, 0, filename, 60.0)
 
     def log_tail(self) -> str:
         lines = Path(self._log.name).read_text(errors="replace").strip().splitlines()

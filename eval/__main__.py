@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import platform
@@ -62,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--n-ctx", type=int, default=2048)
     run.add_argument("--input-usd-per-mtok", type=float, default=0.5, help="assumed upstream price (prompt)")
     run.add_argument("--output-usd-per-mtok", type=float, default=1.5, help="assumed upstream price (completion)")
+    run.add_argument("--system", type=Path, help="put every question behind this file's text as the system message; "
+                     "each answer's upstream calls find it cached, as a provider's prompt cache would hold it")
     run.add_argument("--decision-sheet", help="price the upstream with this sheet instead (a name of `costs "
                      "--sheet` or a file; token prices only): what price-aware configs (value=, ceiling=) decide on")
     run.set_defaults(command=_run)
@@ -189,6 +192,9 @@ def _run(args: argparse.Namespace) -> int:
     if not specs:
         raise ValueError("no configs: give --configs and/or --configs-from")
     items = load_items(args.dataset, args.data, args.rows)
+    if args.system:
+        system = {"role": "system", "content": args.system.read_text(encoding="utf-8")}
+        items = [dataclasses.replace(item, messages=[system, *item.messages]) for item in items]
     run_dir = args.runs_dir / args.run_name
     max_tokens = args.max_tokens or MAX_TOKENS[args.dataset]
     plan = RunPlan(args.dataset, items, ordered(specs), run_dir, max_tokens, args.block, args.parallel)
@@ -215,6 +221,9 @@ async def _run_async(args: argparse.Namespace, plan: Any, total: int) -> dict[st
                            sheet=load_sheet(args.decision_sheet) if args.decision_sheet else None)
     models = await open_models(options, with_upstream=any(s.uses_upstream for s in plan.configs))
     try:
+        if args.system and models.server is not None:
+            shared = await models.share_prefix(plan.items[0].messages[0])
+            print(f"upstream: every answer starts with the system prompt's {shared} tokens cached")
         with tqdm(total=total, unit="item", mininterval=2.0, dynamic_ncols=True) as bar:
             def advance(name: str) -> None:
                 bar.set_postfix_str(name, refresh=False)
@@ -251,7 +260,7 @@ def _meta(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
         "upstream_server": args.upstream_server, "warm": args.warm, "router": args.router, "check": args.check,
         "n_ctx": args.n_ctx, "max_tokens": plan.max_tokens, "greedy": True,
         "prices_usd_per_mtok": {"input": args.input_usd_per_mtok, "output": args.output_usd_per_mtok},
-        "decision_sheet": args.decision_sheet,
+        "decision_sheet": args.decision_sheet, "system": str(args.system) if args.system else None,
         "instructions": {"csqa": datasets.CSQA_INSTRUCTION, "gsm8k": datasets.GSM8K_INSTRUCTION},
         "host": {"machine": platform.machine(), "python": platform.python_version()},
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from adapters.engine import common_prefix
 from adapters.local_model import LocalModel
 from adapters.model_files import model_sha256, resolve_model
 from adapters.upstream import Upstream
@@ -34,12 +35,27 @@ class Models:
     server_slots: int = 0  # sequences of a launched llama-server (erased by cold_upstream)
     router: Router | None = None  # for learned@S configs
     check: AnswerCheck | None = None  # for afresh=P configs
+    shared_prefix: str | None = None  # the saved upstream state every answer starts from (share_prefix)
 
     async def cold_upstream(self) -> None:
         """Erase every sequence the launched llama-server holds, so the next decode is billed and
-        timed from a cold cache: one configuration's answer never reads another's cached prompt."""
+        timed from a cold cache: one configuration's answer never reads another's cached prompt.
+        After `share_prefix`, each starts from the shared prefix alone instead."""
         if self.server is not None and self.server_slots:
-            await self.server.forget(self.server_slots)
+            await self.server.forget(self.server_slots, keep=self.shared_prefix)
+
+    async def share_prefix(self, system: dict[str, str]) -> int:
+        """Model a provider's prompt cache that holds one system prompt for every question: the
+        upstream's rendering of `system` (what any two questions behind it share) is evaluated
+        once, saved, and restored before each answer, so each answer's first call reads it as
+        cached tokens and pays for its question alone. Returns the prefix's length in tokens."""
+        if self.server is None or self.upstream is None or not self.server_slots:
+            raise ValueError("a shared cached prefix needs a launched llama-server upstream (tokens mode)")
+        one, two = (self.upstream.handoff([system, {"role": "user", "content": text}]).ids for text in ("A?", "B?"))
+        prefix = one[:common_prefix(one, two)]
+        await self.server.remember(prefix, "shared-prefix.bin")
+        self.shared_prefix = "shared-prefix.bin"
+        return len(prefix)
 
     def close(self) -> None:
         if self.server is not None:

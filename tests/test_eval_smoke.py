@@ -7,6 +7,7 @@ then the FS-GEN analysis, calibration, the report table and plot. The first test
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -19,8 +20,8 @@ from eval.configs import ordered, parse_config
 from eval.datasets import load_items
 from eval.records import read_records, records_path
 from eval.report import build_rows, load, markdown_table, paired_table, plot
-from eval.runner import RunPlan, run
-from eval.session import ModelOptions, Models, upstream_settings
+from eval.runner import RunPlan, evaluate, run
+from eval.session import ModelOptions, Models, open_models, upstream_settings
 from eval.summary import bootstrap_ci, mcnemar_p
 from gateway.runtime import make_upstream
 
@@ -149,3 +150,23 @@ async def test_harness_end_to_end(smol_models, smol_path, tmp_path):
     assert len(points) == len(items) + 1
     plot(rows, points, tmp_path / "plot.png", "smoke")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+@pytest.mark.integration
+async def test_a_shared_system_prompt_is_all_an_answer_finds_cached(smol_path, tmp_path):
+    """`eval run --system`: every answer's upstream call reads the system prompt from the cache,
+    and nothing an earlier answer left there (the same question asked twice pays for it twice)."""
+    models = await open_models(ModelOptions(str(smol_path), str(smol_path), timeout_s=60.0), with_upstream=True)
+    try:
+        system = {"role": "system", "content": "You are a careful assistant. Answer with one letter. " * 20}
+        [item] = [dataclasses.replace(i, messages=[system, *i.messages]) for i in load_items("csqa", rows="0:1")]
+        plan = RunPlan("csqa", [item], [parse_config("upstream")], tmp_path, 4)
+        cold = await evaluate(models, plan, plan.configs[0], item, None)
+        assert cold["upstream_cached_tokens"] == 0  # without it, every answer starts cold
+        shared = await models.share_prefix(system)
+        assert shared > 200
+        for _ in range(2):
+            record = await evaluate(models, plan, plan.configs[0], item, None)
+            assert record["upstream_cached_tokens"] == shared and record["upstream_prompt_tokens"] > shared
+    finally:
+        models.close()
