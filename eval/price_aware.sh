@@ -41,3 +41,10 @@ $EVAL run --dataset gsm8k --rows 0:30 --max-tokens 512 --run-name "$run" --warm 
 run=price_ifeval_frontier-openai  # local, upstream and learned@0.1 copied from learned_ifeval_task's rows 0-29
 $EVAL run --dataset ifeval --rows 0:30 --run-name "$run" --block 2 --router routers/ifeval-gsm8k-qwen2.5-coder-0.5b.json \
   --decision-sheet frontier-openai --configs learned@0.1,ceiling=1
+
+# The same questions behind one shared 1,595-token system prompt (data/system_prompt_assistant.md)
+# that the provider's cache holds: every answer's first upstream call reads it as cached tokens.
+run=price_csqa_system1500_frontier-openai
+$EVAL run --dataset csqa --rows 0:200 --run-name "$run" --warm --block 5 --router $CSQA_ROUTER \
+  --decision-sheet frontier-openai --system data/system_prompt_assistant.md \
+  --configs local upstream learned@0.05 learned@0.05,value=1
