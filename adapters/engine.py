@@ -222,9 +222,9 @@ class Engine:
                 if self._closing:
                     break
                 self._gather()
-                pending, self._pending = self._pending, []
-            for job in pending:
-                self._admit(job, active)
+                for job in self._pending:
+                    self._admit(job, active)
+                self._pending = []
                 trim, self._freed_since_trim = self._freed_since_trim, False
             if trim:  # only after a request ended: not on every step
                 self._trim_idle(IDLE_KEPT)
