@@ -46,20 +46,17 @@ def server_root(api_base: str) -> str:
     return api_base.removesuffix("/").removesuffix("/v1")
 
 
-async def erase_slot(root: str, slot: int, timeout_s: float, restore: str | None = None) -> None:
-    """Empty one slot of the llama-server at `root` (it must run with `forgetful_args`), or make it
-    hold exactly what a file saved by `save_slot` holds."""
+async def slot_action(root: str, slot: int, action: str, timeout_s: float, filename: str | None = None) -> None:
+    """One of llama-server's slot actions on one slot of the server at `root` (it must run with
+    `forgetful_args`): erase it, save what it holds as `filename`, or restore that file into it."""
     async with httpx.AsyncClient(timeout=timeout_s) as client:
-        action = {"action": "erase"} if restore is None else {"action": "restore"}
-        body = None if restore is None else {"filename": restore}
-        (await client.post(f"{root}/slots/{slot}", params=action, json=body)).raise_for_status()
+        body = {"filename": filename} if filename else None
+        (await client.post(f"{root}/slots/{slot}", params={"action": action}, json=body)).raise_for_status()
 
 
-async def save_slot(root: str, slot: int, filename: str, timeout_s: float) -> None:
-    """Save what one slot holds under `filename` in the server's --slot-save-path."""
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
-        (await client.post(f"{root}/slots/{slot}", params={"action": "save"},
-                           json={"filename": filename})).raise_for_status()
+async def erase_slot(root: str, slot: int, timeout_s: float) -> None:
+    """Empty one slot of the llama-server at `root` (it must run with `forgetful_args`)."""
+    await slot_action(root, slot, "erase", timeout_s)
 
 
 def llama_server_binary() -> str:
@@ -155,7 +152,7 @@ class UpstreamServer:
         """Erase what llama-server's `slots` sequences hold (it must run with `forgetful_args`);
         with `keep` (a file saved by `remember`), each holds that saved prefix instead."""
         for slot in range(slots):
-            await erase_slot(server_root(self.api_base), slot, 30.0, restore=keep)
+            await slot_action(server_root(self.api_base), slot, "erase" if keep is None else "restore", 30.0, keep)
 
     async def remember(self, prompt: list[int], filename: str) -> None:
         """Evaluate `prompt` (token ids) in slot 0 and save it as `filename`, for `forget(keep=)`."""
@@ -165,7 +162,7 @@ class UpstreamServer:
             response = await client.post(f"{root}/completion", json={"prompt": prompt, "n_predict": 1, "id_slot": 0,
                                                                      "cache_prompt": True, "temperature": 0})
             response.raise_for_status()
-        await save_slot(root, 0, filename, 60.0)
+        await slot_action(root, 0, "save", 60.0, filename)
 
     def log_tail(self) -> str:
         lines = Path(self._log.name).read_text(errors="replace").strip().splitlines()
