@@ -43,7 +43,7 @@ from adapters.engine import common_prefix
 from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
 from adapters.upstream_server import free_port
-from bench import decoding_for
+from bench import decoding_for, llama_batched_bench
 from gateway.decoding.decoder import DecodeRequest
 from policies import build_policy
 from tests.conftest import wait_http
@@ -156,40 +156,10 @@ def gateway_process(args: argparse.Namespace, parallel: int) -> Iterator[str]:
             process.wait(timeout=30)
 
 
-def batched_bench_command(args: argparse.Namespace, counts: list[int]) -> list[str]:
-    tools = subprocess.run(["bash", str(ROOT / "scripts/build-llama-tools.sh"), "llama-batched-bench"],
-                           capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    return [f"{tools}/llama-batched-bench", "-m", str(resolve_model(args.model)), "-c", "8192", "-b", "512",
-            "-ub", "512", "-npp", "64", "-ntg", str(args.tokens), "-npl", ",".join(map(str, counts)),
-            "-t", str(args.threads), "-tb", str(args.threads)]
-
-
-def prefill_ratio(command: list[str]) -> float:
-    """llama-batched-bench's prefill time (T_PP) at 4 sequences over 1, from a `-npl 1,4` run."""
-    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    times = {}
-    for line in output.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) >= 8 and cells[2].isdigit():
-            times[int(cells[2])] = float(cells[4])  # | PP | TG | B | N_KV | T_PP | ...
-    return times[4] / times[1]
-
-
 def question_tokens(local: LocalModel) -> int:
     """Tokens of a question after the system prompt that all streams share (their own prefill)."""
     prompts = [local.tokenize_prompt(local.template.render_parts(messages(i, 0))) for i in range(4)]
-    return statistics.median(len(p) - max(common_prefix(p, q) for q in prompts if q is not p) for p in prompts)
-
-
-def batched_bench(command: list[str]) -> dict[int, float]:
-    """llama-batched-bench's generation tokens/s (S_TG) per number of parallel sequences."""
-    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    speeds = {}
-    for line in output.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) >= 8 and cells[2].isdigit():
-            speeds[int(cells[2])] = float(cells[7])  # | PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG | ...
-    return speeds
+    return statistics.median_low(len(p) - max(common_prefix(p, q) for q in prompts if q is not p) for p in prompts)
 
 
 def measure(args: argparse.Namespace, counts: list[int]) -> tuple[dict, dict, dict]:
@@ -199,28 +169,28 @@ def measure(args: argparse.Namespace, counts: list[int]) -> tuple[dict, dict, di
     tool: dict[int, list[float]] = {n: [] for n in counts}
     engine: dict[int, list] = {n: [] for n in rounds}
     gateway: dict[int, list] = {n: [] for n in rounds}
-    command = batched_bench_command(args, counts)
+    model = resolve_model(args.model)
     loop = asyncio.new_event_loop()
-    local = loop.run_until_complete(LocalModel.load(resolve_model(args.model), n_ctx=1024, n_threads=args.threads,
+    local = loop.run_until_complete(LocalModel.load(model, n_ctx=1024, n_threads=args.threads,
                                                     n_batch=512, queue_limit=64, parallel=max(counts)))
-    prefill = [*command[:command.index("-npp")], "-npp", str(int(question_tokens(local))), "-ntg", "1", "-npl", "1,4",
-               "-t", str(args.threads), "-tb", str(args.threads)]
+    question = question_tokens(local)
     bound: list[float] = []
     try:
         with gateway_process(args, max(counts)) as base:
             loop.run_until_complete(engine_round(local, 1, 8, round_tag=0))  # warm-ups: weights, system prompt
             loop.run_until_complete(http_round(base, 1, 8, round_tag=0))
             for repeat in range(args.repeat):
-                for n, speed in batched_bench(command).items():
-                    tool[n].append(speed)
-                bound.append(prefill_ratio(prefill))
+                for n, row in llama_batched_bench(model, args.threads, 64, args.tokens, counts).items():
+                    tool[n].append(row.s_tg)
+                prefill = llama_batched_bench(model, args.threads, question, 1, [1, 4])
+                bound.append(prefill[4].t_pp / prefill[1].t_pp)
                 for n in rounds:  # a new round tag: no round's questions are cached
                     engine[n].append(loop.run_until_complete(engine_round(local, n, args.tokens, n + 10 * repeat)))
                     gateway[n].append(loop.run_until_complete(http_round(base, n, args.tokens, n + 10 * repeat)))
     finally:
         local.close()
         loop.close()
-    print(f"llama-batched-bench: prefilling 4 distinct {prefill[prefill.index('-npp') + 1]}-token prompts in one "
+    print(f"llama-batched-bench: prefilling 4 distinct {question}-token prompts in one "
           f"batch takes {statistics.median(bound):.2f}x one's time (what this CPU allows the slowest first token)")
     return ({n: statistics.median(v) for n, v in tool.items()}, {n: median_round(v) for n, v in engine.items()},
             {n: median_round(v) for n, v in gateway.items()})

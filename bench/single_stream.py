@@ -43,7 +43,7 @@ from llama_cpp import _internals as internals
 from adapters import engine as engine_module
 from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
-from bench import decoding_for
+from bench import decoding_for, llama_batched_bench
 from gateway.decoding.decoder import DecodeRequest
 from policies import build_policy
 
@@ -142,17 +142,7 @@ def decoder_ms(local: LocalModel, steps: int) -> float:
 
 def tool_ms(model: Path, threads: int, steps: int) -> float:
     """llama-batched-bench's milliseconds per generated token at one sequence (1000 / S_TG)."""
-    tools = subprocess.run(["bash", str(ROOT / "scripts/build-llama-tools.sh"), "llama-batched-bench"],
-                           capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    output = subprocess.run([f"{tools}/llama-batched-bench", "-m", str(model), "-c", "8192", "-b", "512",
-                             "-ub", "512", "-npp", str(PROMPT_TOKENS), "-ntg", str(steps), "-npl", "1",
-                             "-t", str(threads), "-tb", str(threads)],
-                            capture_output=True, text=True, check=True).stdout
-    for line in output.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) >= 8 and cells[2] == "1":
-            return 1000 / float(cells[7])
-    raise RuntimeError(f"no result line in llama-batched-bench's output:\n{output}")
+    return 1000 / llama_batched_bench(model, threads, PROMPT_TOKENS, steps, [1])[1].s_tg
 
 
 SIDES = ("tool", *(variant.name for variant in variants()), "engine", "decoder", "look-ahead")
