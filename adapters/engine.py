@@ -128,7 +128,7 @@ class Engine:
         self._freed_since_trim = False
         self.steps = 0  # llama_decode calls
         self.evaluated = 0  # tokens those calls evaluated
-        self.speculation = True  # False: sequences opened with `speculate` do not (for benchmarks)
+        self.speculation = True  # False: sequences opened with `speculate` do not look ahead
         self.guesses_taken = 0  # forwards a speculative job answered
         self.guesses_dropped = 0  # speculative jobs that were not what their request asked next
         self._thread = threading.Thread(target=self._loop, name="llama-engine", daemon=True)

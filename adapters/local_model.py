@@ -52,9 +52,10 @@ class LocalModel:
 
     @classmethod
     async def load(cls, path: Path, n_ctx: int, n_threads: int, n_batch: int, queue_limit: int,
-                   parallel: int = 1) -> "LocalModel":
+                   parallel: int = 1, look_ahead: bool = True) -> "LocalModel":
         """Load `path` (off the event loop) with an engine of `parallel` sequences of `n_ctx`
-        tokens each. Raises LocalModelError with one line."""
+        tokens each, evaluating greedy sequences' next tokens ahead if `look_ahead`. Raises
+        LocalModelError with one line."""
 
         def build() -> Llama:
             # This Llama's own context stays tiny: the engine decodes in a context of its own.
@@ -64,6 +65,7 @@ class LocalModel:
         try:
             llm = await asyncio.get_running_loop().run_in_executor(None, build)
             engine = Engine(llm, n_ctx, parallel, n_threads, n_batch, queue_limit)
+            engine.speculation = look_ahead
         except (ValueError, RuntimeError) as exc:
             raise LocalModelError(f"cannot load model {path}: {exc}") from exc
         return cls(llm, engine)

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from adapters.pricing import Prices
 from adapters.upstream import Continuation, Handoff, Upstream
@@ -77,6 +77,7 @@ class Metrics:
                                    ["alias", "reason"], registry=r)
         self._upstream_metrics(r)
         r.register(_QueueDepth(self))
+        r.register(_EngineCounters(self))
         self.runtime: Any = None  # set by `instrument`; read by the queue-depth collector
 
     def _upstream_metrics(self, r: CollectorRegistry) -> None:
@@ -134,6 +135,32 @@ class _QueueDepth:
         for name, alias in (runtime.aliases.items() if runtime is not None else ()):
             family.add_metric([name], alias.local.queue_depth)
         yield family
+
+
+class _EngineCounters:
+    """Each local model's engine counters, read at scrape time: decode steps, and the look-ahead's
+    guesses by outcome (`taken`: a request's next forward was the guessed token; `dropped`: it was
+    not, the step was wasted)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self):
+        return [CounterMetricFamily("gateway_engine_steps", "llama_decode calls of the local model's engine.",
+                                    labels=["model"]),
+                CounterMetricFamily("gateway_engine_look_ahead_guesses",
+                                    "Greedy tokens the engine evaluated ahead of their request, by outcome.",
+                                    labels=["model", "outcome"])]
+
+    def collect(self):
+        steps, guesses = self.describe()
+        runtime = self._metrics.runtime
+        for name, local in (runtime.local_models.items() if runtime is not None else ()):
+            steps.add_metric([name], local.engine.steps)
+            guesses.add_metric([name, "taken"], local.engine.guesses_taken)
+            guesses.add_metric([name, "dropped"], local.engine.guesses_dropped)
+        yield steps
+        yield guesses
 
 
 @router.get("/metrics", include_in_schema=False)

@@ -88,7 +88,8 @@ class Runtime:
         for name, local in settings.models.local.items():
             path = resolve_model(local.gguf)
             self.local_models[name] = await LocalModel.load(
-                path, local.n_ctx, local.n_threads, local.n_batch, settings.server.queue_limit, local.parallel)
+                path, local.n_ctx, local.n_threads, local.n_batch, settings.server.queue_limit, local.parallel,
+                look_ahead=local.look_ahead)
         upstreams = {name: await self._upstream(name, up) for name, up in settings.upstreams.items()}
         for name, alias in settings.aliases.items():
             upstream = upstreams[alias.upstream] if alias.upstream else None

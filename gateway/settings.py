@@ -55,6 +55,9 @@ class LocalModelSettings(Strict):
     parallel: int = Field(
         4, ge=1, le=64, description="Requests the engine decodes at once (sequences in one KV cache of "
         "parallel x n_ctx cells); more wait in the queue.")
+    look_ahead: bool = Field(
+        True, description="While a greedy (temperature 0) request decides on a token, evaluate the local "
+        "greedy token next; a guess that was not taken is dropped. Off: each step waits for its request.")
 
 
 class RoutingSettings(Strict):

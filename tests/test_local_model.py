@@ -47,8 +47,9 @@ def prompt(local: LocalModel, system: str, user: str) -> list[int]:
                                                               {"role": "user", "content": user}]))
 
 
-async def load(path, parallel: int = 4, queue_limit: int = 4) -> LocalModel:
-    return await LocalModel.load(path, n_ctx=1024, n_threads=1, n_batch=256, queue_limit=queue_limit, parallel=parallel)
+async def load(path, parallel: int = 4, queue_limit: int = 4, look_ahead: bool = True) -> LocalModel:
+    return await LocalModel.load(path, n_ctx=1024, n_threads=1, n_batch=256, queue_limit=queue_limit, parallel=parallel,
+                                 look_ahead=look_ahead)
 
 
 @pytest.fixture
@@ -116,6 +117,18 @@ async def test_speculating_sequences_take_their_guesses_and_match_each_decoded_a
         assert_same_greedy(batched, single)
     assert local.engine.guesses_taken - taken_before == 3 * 15  # every forward after the first was guessed
     assert local.engine.steps - steps_before < 3 * 16  # and the guesses were decoded together
+
+
+async def test_a_model_loaded_without_look_ahead_never_guesses(smol_path, solo):
+    local = await load(smol_path, look_ahead=False)
+    try:
+        tokens = prompt(local, "Be brief.", "Name a colour.")
+        steps_before = local.engine.steps
+        assert_same_greedy(await greedy(local, tokens, 8, speculate=True), await greedy(solo, tokens, 8))
+        assert local.engine.guesses_taken == local.engine.guesses_dropped == 0
+        assert local.engine.steps - steps_before == 8  # one decode per forward, none ahead
+    finally:
+        local.close()
 
 
 async def test_a_guess_the_request_does_not_take_is_undone(local, solo):

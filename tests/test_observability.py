@@ -21,7 +21,7 @@ from tests.conftest import ADMIN_KEY, DEMO_KEY, gateway_config, live_gateway
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
-ALLOWED_LABELS = {"alias", "status", "source", "reason", "le"}
+ALLOWED_LABELS = {"alias", "status", "source", "reason", "model", "outcome", "le"}
 TIGHT_KEY = "sk-tight-budget"
 CANARY = f"CANARY-{uuid.uuid4().hex}"
 
@@ -160,6 +160,17 @@ def test_metrics_count_requests_tokens_and_upstream_calls(traffic):
     assert value(m, "gateway_token_latency_seconds_count", alias="routed", source="upstream") >= 1
     assert value(m, "gateway_token_latency_seconds_count", alias="local", source="local") >= 1
     assert value(m, "gateway_queue_depth", alias="routed") == 0
+
+
+@pytest.mark.integration
+def test_engine_counters_show_the_look_ahead_at_work(traffic):
+    _, response = traffic
+    m = samples(response.text)
+    [model] = {dict(labels)["model"] for name, labels in m if name == "gateway_engine_steps_total"}
+    taken = value(m, "gateway_engine_look_ahead_guesses_total", model=model, outcome="taken")
+    dropped = value(m, "gateway_engine_look_ahead_guesses_total", model=model, outcome="dropped")
+    # the greedy local-only answer's tokens after its first were each guessed ahead (6 tokens at most)
+    assert 1 <= taken and taken + dropped < value(m, "gateway_engine_steps_total", model=model)
 
 
 @pytest.mark.integration
