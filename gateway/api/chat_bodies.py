@@ -58,6 +58,10 @@ def routing_header(admitted: Admitted) -> str:
     routing = usage_of(admitted)["routing"]
     parts = [f"policy={routing['policy']}", f"local={routing['local_tokens']}", f"upstream={routing['upstream_tokens']}",
              f"cache={routing['cache_tokens']}", f"calls={routing['upstream_calls']}"]
+    if routing["afresh"]:
+        parts.append(f"afresh={routing['afresh']}")
+    elif routing["escalated"]:
+        parts.append("escalated=1")
     if routing["degraded"]:
         parts.append("degraded=" + ",".join(routing["degraded"]))
     return "; ".join(parts)
