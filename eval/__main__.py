@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     _common(diverge)
     diverge.add_argument("--max-tokens", type=int, help=f"answer length of the roll-outs (default {MAX_TOKENS})")
     diverge.add_argument("--parallel", type=int, default=4, help="roll-outs decoded at once")
+    diverge.add_argument("--items-at-once", type=int, default=2,
+                         help="answers labelled together (keeps the batch full while one answer's last roll-outs run)")
     diverge.add_argument("--n-ctx", type=int, default=2048)
     diverge.set_defaults(command=_diverge)
 
@@ -343,12 +345,19 @@ async def _diverge_async(args: argparse.Namespace, items: list[Any], analysis: d
         return
     local = await LocalModel.load(resolve_model(args.local, fetch=True), args.n_ctx, args.threads, n_batch=256,
                                   queue_limit=64, parallel=args.parallel)
-    try:
-        for item in tqdm(items, unit="item", mininterval=2.0):
+    at_once = asyncio.Semaphore(args.items_at_once)
+
+    async def label(item: Any, bar: tqdm) -> None:
+        async with at_once:
             record = analysis[item.id]
             labels = await divergent(local, args.dataset, item, references[item.id]["tokens"], record["mismatch"],
                                      args.max_tokens or MAX_TOKENS[args.dataset])
             append_record(out, {"id": item.id, "row": item.row, "mismatch": record["mismatch"], "divergent": labels})
+            bar.update()
+
+    try:
+        with tqdm(total=len(items), unit="item", mininterval=2.0) as bar:
+            await asyncio.gather(*(label(item, bar) for item in items))
     finally:
         local.close()
 
@@ -401,7 +410,7 @@ def _decision_us(router: Any) -> float:
 
 def _learn(args: argparse.Namespace, fit: list[dict[str, Any]], held_out: list[dict[str, Any]]) -> None:
     from adapters.model_files import model_sha256
-    from eval.learn import compare, comparison_table, ranking_quality, train
+    from eval.learn import compare, comparison_table, ranking_quality, reliability_table, train
     from eval.records import read_records
 
     if not args.share:
@@ -409,7 +418,7 @@ def _learn(args: argparse.Namespace, fit: list[dict[str, Any]], held_out: list[d
     if "top" not in fit[0]:
         raise ValueError("the analysis has no top-k probabilities or token kinds: rerun `python -m eval analyze` "
                          "into a fresh run directory")
-    held_out_labels = "mismatch"
+    held_out_labels, mismatch_fit = "mismatch", fit
     if args.label == "divergent":
         labels = {r["id"]: r["divergent"] for r in read_records(
             args.runs_dir / args.run_name / "analysis" / f"{args.dataset}.divergent.jsonl")}
@@ -430,6 +439,11 @@ def _learn(args: argparse.Namespace, fit: list[dict[str, Any]], held_out: list[d
     if held_out:
         print(f"\nheld-out rows {args.eval_rows} ({held_out_labels} labels), AUROC: "
               + ", ".join(f"{k} {v:.3f}" for k, v in ranking_quality(router, held_out).items()))
+        print(reliability_table(router, held_out, held_out_labels), end="")
+        if held_out_labels == "divergent":  # the same features and rows, fitted on every mismatch instead
+            on_mismatch = train(mismatch_fit, args.share, router.model_sha256, meta)
+            print(f"the same router fitted on mismatch labels, AUROC on these divergent labels: "
+                  f"{ranking_quality(on_mismatch, held_out)['learned']:.3f}")
         print(comparison_table(compare(router, held_out, args.share)), end="")
 
 
@@ -513,8 +527,8 @@ def _source(spec: str) -> tuple[str, str, str | None]:
 def _afresh(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from eval.afresh import agreement, confidences_of, derived, reliability
-    from eval.analysis import auroc
+    from eval.afresh import agreement, confidences_of, derived
+    from eval.analysis import auroc, reliability
     from eval.records import in_rows, read_records, records_path, write_records
     from policies.answer_check import AnswerCheck
 

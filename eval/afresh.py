@@ -73,15 +73,3 @@ def agreement(decoded: Sequence[dict[str, Any]], derived_records: Sequence[dict[
     by_id = {r["id"]: r for r in derived_records}
     pairs = [(r, by_id[r["id"]]) for r in decoded if r["id"] in by_id]
     return sum(a["text"] == b["text"] and bool(a.get("afresh")) == b["afresh"] for a, b in pairs), len(pairs)
-
-
-def reliability(confidences: np.ndarray, labels: np.ndarray, bins: int = 5) -> list[tuple[float, float, int, float, float]]:
-    """(low, high, answers, mean confidence, share correct) per bin of equal counts: a calibrated
-    check's mean confidence matches the share correct in every bin."""
-    order = np.argsort(confidences, kind="mergesort")
-    rows = []
-    for part in np.array_split(order, bins):
-        if len(part):
-            rows.append((float(confidences[part].min()), float(confidences[part].max()), len(part),
-                         float(confidences[part].mean()), float(labels[part].mean())))
-    return rows

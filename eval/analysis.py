@@ -121,3 +121,15 @@ def summarize_analysis(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "by_position": by_position,
         "auroc": {name: auroc([score(s) for s in all_steps], labels) for name, score in SCORES.items()},
     }
+
+
+def reliability(confidences: np.ndarray, labels: np.ndarray, bins: int = 5) -> list[tuple[float, float, int, float, float]]:
+    """(low, high, count, mean confidence, share of positive labels) per bin of equal counts: a
+    calibrated probability's mean matches the share of positives in every bin."""
+    order = np.argsort(confidences, kind="mergesort")
+    rows = []
+    for part in np.array_split(order, bins):
+        if len(part):
+            rows.append((float(confidences[part].min()), float(confidences[part].max()), len(part),
+                         float(confidences[part].mean()), float(labels[part].mean())))
+    return rows

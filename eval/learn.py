@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from eval.analysis import auroc, steps
+from eval.analysis import auroc, reliability, steps
 from eval.calibrate import ORIENTATION
 from policies.base import Signal
 from policies.learned import FEATURES, Router, features
@@ -133,4 +133,15 @@ def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
         target = "-" if r["target_share"] is None else f"{r['target_share']:g}"
         lines.append(f"| {r['method']} | {target} | {r['share']:.1%} | {r['mismatch_recall']:.1%} "
                      f"| {r['token_accuracy']:.1%} | {r['answers_reproduced']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def reliability_table(router: Router, records: Sequence[dict[str, Any]], label: str) -> str:
+    """Markdown: the router's probability against the share of `label` positions, in ten bins of
+    equal counts of `records`' positions (the top bins matter: few positions are routed)."""
+    x, labels, _ = matrix(records)
+    scores = np.array([router.score(row) for row in x])
+    lines = [f"| router probability | positions | mean probability | {label} share |", "|---|---|---|---|"]
+    lines += [f"| {low:.4f}-{high:.4f} | {count} | {mean:.4f} | {share:.4f} |"
+              for low, high, count, mean, share in reliability(scores, labels, bins=10)]
     return "\n".join(lines) + "\n"

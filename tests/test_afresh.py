@@ -190,7 +190,11 @@ def test_a_held_answer_below_the_bar_is_the_upstreams_direct_answer(checked):
     from tests.conftest import ADMIN_KEY
 
     client = checked.client()
-    fresh = chat(client, "Name three rivers.", routing={"escalate_below": 0.6})
+    raw = client.chat.completions.with_raw_response.create(
+        model="checked", messages=[{"role": "user", "content": "Name three rivers."}], max_tokens=24, temperature=0,
+        extra_body={"routing": {"escalate_below": 0.6}})
+    fresh = raw.parse()
+    assert "afresh=1" in raw.headers["x-routing-summary"]
     routing = fresh.usage.model_extra["routing"]
     assert routing["afresh"] == 1 and routing["answer_confidence"] == 0.5 and routing["discarded_tokens"] > 0
     assert routing["local_tokens"] == 0 and routing["upstream_calls"] == 1
@@ -241,7 +245,7 @@ def test_rows_with_a_step_select_every_other_row_for_disjoint_fit_and_report_hal
 
 
 def test_the_reliability_table_bins_answers_by_confidence_in_equal_counts():
-    from eval.afresh import reliability
+    from eval.analysis import reliability
 
     confidences = np.array([0.9, 0.1, 0.8, 0.2, 0.85, 0.15])
     labels = np.array([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
@@ -263,3 +267,16 @@ def test_every_shipped_router_and_check_loads_for_the_reference_local_model():
     for path in files:
         loaded = AnswerCheck.load(path, sha) if path in checks else Router.load(path, sha)
         assert loaded.model_sha256 == sha
+
+
+def test_an_early_rating_aggregates_only_the_first_k_steps():
+    from eval.early_rating import prefix_stats
+
+    analysis = {"n": 4, "entropy": [2.0, 0.5, 0.1, 3.0], "top1": [0.2, 0.8, 0.9, 0.1]}
+    cut = {"finish_reason": "length"}
+    early = prefix_stats(analysis, cut, 2)
+    assert (early.mean_entropy, early.max_entropy, early.mean_top1) == (1.25, 2.0, pytest.approx(0.5))
+    assert early.first_entropy == 2.0 and early.answer_tokens == 2 and not early.cut_by_length  # still going
+    whole = prefix_stats(analysis, cut, 8)  # shorter than k: rated at its end, as the check rates it
+    assert whole == prefix_stats(analysis, cut, None) and whole.answer_tokens == 4 and whole.cut_by_length
+    assert whole.max_entropy == 3.0
