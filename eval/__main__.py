@@ -121,6 +121,8 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--also", action="append", default=[], metavar="DATASET,RUN[,ROWS]",
                        help="fit on another run's local answers too (one check for mixed traffic); repeat")
     check.add_argument("--local", default=LOCAL, help=f"the local model that wrote the answers (default {LOCAL})")
+    check.add_argument("--at-tokens", type=int, help="fit on each answer's first K tokens: the gateway rates answers "
+                       "once they have K tokens (needs `python -m eval analyze --answers local` of each run)")
     check.add_argument("--out", type=Path, required=True, help="the answer check file to write")
     check.set_defaults(command=_answer_check)
 
@@ -490,26 +492,34 @@ def _answer_check(args: argparse.Namespace) -> int:
     import numpy as np
 
     from adapters.model_files import model_sha256
-    from eval.afresh import confidences_of, fit
+    from eval.afresh import fit, prefix_stats
     from eval.analysis import auroc
     from eval.records import in_rows, read_records, records_path
+    from policies.answer_check import AnswerStats
 
     sources = [(args.dataset, args.run_name, args.fit_rows), *(_source(spec) for spec in args.also)]
-    records = []
+    records, stats = [], []
     for dataset, run, rows in sources:
         path = records_path(args.runs_dir / run, dataset, "local")
         found = in_rows(read_records(path), parse_rows(rows)) if rows else read_records(path)
+        if args.at_tokens:  # rated on the first tokens' signals, which only the analysis keeps
+            analysed = {a["id"]: a for a in read_records(_analysis_path(args.runs_dir / run, dataset, "local"))}
+            found = [r for r in found if r["id"] in analysed]
+            stats += [prefix_stats(analysed[r["id"]], r, args.at_tokens) for r in found]
+        else:
+            stats += [AnswerStats.of_record(r) for r in found]
         if not found:
-            raise ValueError(f"no local answers in {path}" + (f" for rows {rows}" if rows else ""))
+            raise ValueError(f"no {'analysed ' if args.at_tokens else ''}local answers in {path}"
+                             + (f" for rows {rows}" if rows else ""))
         records += found
     meta = {"command": f"python -m eval {shlex.join(sys.argv[1:])}",
             "fitted_on": [{"dataset": d, "run": r, "rows": rows or "all"} for d, r, rows in sources]}
-    check = fit(records, args.share, model_sha256(args.local), meta)
+    check = fit(records, args.share, model_sha256(args.local), meta, stats=stats, at_tokens=args.at_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(check.to_json(), indent=1) + "\n")
     labels = np.array([float(r["correct"]) for r in records])
     print(f"{len(records)} answers, {labels.mean():.1%} correct; AUROC on them "
-          f"{auroc(confidences_of(check, records), labels):.4f}")
+          f"{auroc(np.array([check.confidence(s) for s in stats]), labels):.4f}")
     for share, below in sorted(check.shares.items()):
         print(f"ask {share:.0%} afresh: escalate_below {below:.4f}")
     print(f"answer check: {args.out}")
@@ -540,6 +550,9 @@ def _afresh(args: argparse.Namespace) -> int:
     if not base or not upstream:
         raise ValueError(f"{source} needs {args.base} and upstream records of {args.dataset}")
     check = AnswerCheck.load(args.check)
+    if check.at_tokens is not None:
+        raise ValueError(f"{args.check} rates answers at {check.at_tokens} tokens: deriving its records is not "
+                         "supported (decode it: `python -m eval run --check ... --configs local,afresh=P`)")
     labels, confidences = np.array([float(r["correct"]) for r in base]), confidences_of(check, base)
     print(f"{len(base)} {args.base} answers, {labels.mean():.1%} correct; the check's AUROC on them "
           f"{auroc(confidences, labels):.4f}\n\n| confidence | answers | mean confidence | correct |\n|---|---|---|---|")

@@ -13,6 +13,7 @@ and `agreement` counts the answers a decoded run and the derived records share.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,20 +27,32 @@ BILLED = ("upstream_calls", "upstream_prompt_tokens", "upstream_completion_token
 
 
 def fit(records: Sequence[dict[str, Any]], shares: Sequence[float], model_sha256: str, meta: dict[str, Any],
-        l2: float = 1.0) -> AnswerCheck:
+        l2: float = 1.0, stats: Sequence[AnswerStats] | None = None, at_tokens: int | None = None) -> AnswerCheck:
     """An answer check fitted on local answers (`correct` is the label), with the escalate_below
-    that asks afresh for each share of them."""
-    x = np.array([AnswerStats.of_record(r).features() for r in records])
+    that asks afresh for each share of them. `stats`: what it rates of each answer (default: the
+    whole answer's, as the records keep them; `prefix_stats` for a check rated at `at_tokens`)."""
+    stats = stats if stats is not None else [AnswerStats.of_record(r) for r in records]
+    x = np.array([s.features() for s in stats])
     y = np.array([float(r["correct"]) for r in records])
     weights, bias, mean, scale = fit_logistic(x, y, l2)
     check = AnswerCheck(weights, bias, mean, scale, {}, model_sha256,
-                        {**meta, "fit_answers": len(records), "fit_accuracy": round(float(y.mean()), 4)})
-    confidences = confidences_of(check, records)
+                        {**meta, "fit_answers": len(records), "fit_accuracy": round(float(y.mean()), 4)}, at_tokens)
+    confidences = np.array([check.confidence(s) for s in stats])
     return dataclasses.replace(check, shares={float(s): round(float(np.quantile(confidences, s)), 5) for s in shares})
 
 
 def confidences_of(check: AnswerCheck, records: Sequence[dict[str, Any]]) -> np.ndarray:
     return np.array([check.confidence(AnswerStats.of_record(r)) for r in records])
+
+
+def prefix_stats(analysis: dict[str, Any], record: dict[str, Any], k: int | None) -> AnswerStats:
+    """The check's aggregates over the first `k` steps of a local answer (all of them if None or
+    the answer is shorter)."""
+    n = analysis["n"] if k is None else min(k, analysis["n"])
+    entropy, top1 = analysis["entropy"][:n] or [0.0], analysis["top1"][:n] or [1.0]
+    whole = n == analysis["n"]
+    return AnswerStats(statistics.fmean(entropy), max(entropy), statistics.fmean(top1), entropy[0], n,
+                       whole and record["finish_reason"] == "length")
 
 
 def derived(base: Sequence[dict[str, Any]], upstream: Sequence[dict[str, Any]], check: AnswerCheck,

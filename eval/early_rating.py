@@ -14,30 +14,19 @@ over the rows (fitted on even rows, rated on odd, and the reverse), beside the c
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from eval.afresh import prefix_stats
 from eval.analysis import auroc
 from eval.datasets import parse_rows
 from eval.learn import fit_logistic
 from eval.records import in_rows, read_records, records_path
-from policies.answer_check import AnswerStats
 
 RUNS_DIR = Path(__file__).resolve().parent.parent / "results" / "runs"
-
-
-def prefix_stats(analysis: dict[str, Any], record: dict[str, Any], k: int | None) -> AnswerStats:
-    """The check's aggregates over the first `k` steps of a local answer (all of them if None or
-    the answer is shorter)."""
-    n = analysis["n"] if k is None else min(k, analysis["n"])
-    entropy, top1 = analysis["entropy"][:n] or [0.0], analysis["top1"][:n] or [1.0]
-    whole = n == analysis["n"]
-    return AnswerStats(statistics.fmean(entropy), max(entropy), statistics.fmean(top1), entropy[0], n,
-                       whole and record["finish_reason"] == "length")
 
 
 def two_fold_auroc(x: np.ndarray, y: np.ndarray) -> float:

@@ -10,7 +10,9 @@ afresh below `escalate_below`.
 A check file (JSON, written by `python -m eval answer-check`) holds the feature names, their
 standardisation, the weights, the local model's SHA-256 (the signals mean nothing for another
 model), and where it came from; `escalate_below` given for shares of escalated answers on the rows
-it was fitted on (`shares`), to help choose a threshold.
+it was fitted on (`shares`), to help choose a threshold. A check with `at_tokens` K was fitted on
+the first K steps of answers: the decoder rates an answer once its K-th token is out (or at its
+end, if it ends sooner), so an answer asked afresh stops there instead of being finished locally.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from policies.learned import RouterError, check_header, read_json, standardised_
 
 CHECK_FORMAT = "routing-gateway/answer-check@1"
 FEATURES = ("mean_entropy", "max_entropy", "mean_top1", "first_entropy", "log_answer_tokens", "cut_by_length")
-CORE_KEYS = ("format", "features", "model_sha256", "weights", "bias", "mean", "scale", "shares")
+CORE_KEYS = ("format", "features", "model_sha256", "weights", "bias", "mean", "scale", "shares", "at_tokens")
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class AnswerCheck:
     shares: dict[float, float]  # share of fit answers escalated -> the escalate_below that escalates it
     model_sha256: str
     meta: dict[str, Any]
+    at_tokens: int | None = None  # rate after this many answer tokens (None: when the answer ends)
 
     def confidence(self, stats: AnswerStats) -> float:
         """The chance that the answer is correct, in [0, 1]."""
@@ -84,6 +87,7 @@ class AnswerCheck:
         return {"format": CHECK_FORMAT, "features": list(FEATURES), "model_sha256": self.model_sha256,
                 "weights": self.weights.tolist(), "bias": self.bias, "mean": self.mean.tolist(),
                 "scale": self.scale.tolist(), "shares": {str(k): v for k, v in sorted(self.shares.items())},
+                **({"at_tokens": self.at_tokens} if self.at_tokens is not None else {}),
                 **{k: v for k, v in self.meta.items() if k not in CORE_KEYS}}
 
     @classmethod
@@ -98,5 +102,8 @@ class AnswerCheck:
             shares = {float(k): float(v) for k, v in data.get("shares", {}).items()}
         except (TypeError, ValueError, AttributeError) as exc:
             raise RouterError(f"{path} is not a complete answer check file: {exc!r}") from exc
+        at_tokens = data.get("at_tokens")
+        if at_tokens is not None and (type(at_tokens) is not int or at_tokens < 1):
+            raise RouterError(f"{path}: at_tokens must be a positive whole number of tokens, not {at_tokens!r}")
         return cls(weights, bias, mean, scale, shares, str(data["model_sha256"]),
-                   {k: v for k, v in data.items() if k not in CORE_KEYS})
+                   {k: v for k, v in data.items() if k not in CORE_KEYS}, at_tokens)

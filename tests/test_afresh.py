@@ -4,6 +4,7 @@ the upstream's, what it does when it cannot, and the evaluation's derived record
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import numpy as np
@@ -64,6 +65,32 @@ async def test_the_local_answer_stands_when_rated_well_unasked_or_already_shown(
     assert run.usage.answer_confidence == confidence  # rated all the same
 
 
+def by_length(at_tokens: int) -> AnswerCheck:
+    """A check rating an answer of n tokens sigmoid(log1p(n) - 2), read after `at_tokens` tokens."""
+    weights, zeros, ones = np.zeros(len(FEATURES)), np.zeros(len(FEATURES)), np.ones(len(FEATURES))
+    weights[FEATURES.index("log_answer_tokens")] = 1.0
+    return AnswerCheck(weights, -2.0, zeros, ones, {}, SHA, {}, at_tokens)
+
+
+def rated_at(tokens: int) -> float:
+    return round(1 / (1 + math.exp(-(math.log1p(tokens) - 2.0))), 4)
+
+
+async def test_a_check_with_at_tokens_asks_afresh_before_the_local_answer_is_finished():
+    run = decoding(by_length(2), below=0.5)
+    assert await text_of(run) == "Paris is big."
+    assert run.usage.answer_confidence == rated_at(2) < 0.5
+    assert run.usage.afresh and run.usage.discarded_tokens == 2  # "Paris is", not the whole "Paris is nice."
+
+
+async def test_an_early_rating_that_stands_lets_the_answer_finish_and_an_answer_shorter_than_k_is_rated_at_its_end():
+    early = decoding(by_length(2), below=0.2)
+    assert await text_of(early) == "Paris is nice." and early.usage.answer_confidence == rated_at(2) >= 0.2
+    late = decoding(by_length(10), below=0.2)
+    assert await text_of(late) == "Paris is nice." and late.usage.answer_confidence == rated_at(4)
+    assert not early.usage.afresh and not late.usage.afresh
+
+
 async def test_a_failed_fresh_call_leaves_the_local_answer_and_says_so():
     run = decoding(constant(0.3), below=0.5, upstream=FakeUpstream("Paris is big.", fail=True))
     assert await text_of(run) == "Paris is nice."
@@ -122,11 +149,14 @@ def test_a_fitted_check_ranks_answers_and_its_file_round_trips(tmp_path):
     path.write_text(json.dumps(fitted.to_json()))
     loaded = AnswerCheck.load(path, SHA)
     assert loaded.confidence(AnswerStats.of_record(records(1)[0])) == fitted.confidence(AnswerStats.of_record(records(1)[0]))
-    assert loaded.meta["fit_answers"] == 300
+    assert loaded.meta["fit_answers"] == 300 and loaded.at_tokens is None
+    path.write_text(json.dumps(by_length(128).to_json()))
+    assert AnswerCheck.load(path, SHA).at_tokens == 128
 
 
 @pytest.mark.parametrize("change", [{"model_sha256": "b" * 64}, {"format": "other"}, {"features": ["x"]},
-                                    {"weights": [1.0]}, {"scale": [0.0] * len(FEATURES)}])
+                                    {"weights": [1.0]}, {"scale": [0.0] * len(FEATURES)}, {"at_tokens": 0},
+                                    {"at_tokens": 1.5}, {"at_tokens": True}])
 def test_a_check_file_for_another_model_or_of_another_shape_is_refused(tmp_path, change):
     path = tmp_path / "check.json"
     path.write_text(json.dumps({**constant(0.5).to_json(), **change}))
@@ -270,7 +300,7 @@ def test_every_shipped_router_and_check_loads_for_the_reference_local_model():
 
 
 def test_an_early_rating_aggregates_only_the_first_k_steps():
-    from eval.early_rating import prefix_stats
+    from eval.afresh import prefix_stats
 
     analysis = {"n": 4, "entropy": [2.0, 0.5, 0.1, 3.0], "top1": [0.2, 0.8, 0.9, 0.1]}
     cut = {"finish_reason": "length"}

@@ -19,7 +19,9 @@ and the answer ends only where the grammar is complete; guessing ahead is off.
 An answer nobody has seen yet (`held`: the request does not stream) may be asked afresh: when the
 request's answer check (policies/answer_check.py) rates the finished answer's chance of being
 correct below `escalate_below`, the answer is thrown away and the upstream writes the whole answer
-in one call, as if asked directly; if that call fails, the local answer stands.
+in one call, as if asked directly; if that call fails, the local answer stands. A check fitted on
+answers' first K tokens (`at_tokens`) rates the answer as soon as it has them, so one asked afresh
+is not finished locally first.
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ class Decoding:
                                            hidden=self.request.policy.reads_hidden,
                                            speculate=self.request.sampling.greedy) as sequence:
                 while True:
-                    while self.finish_reason is None:
+                    while self.finish_reason is None and not self._rating_due():
                         for piece in await self._step(sequence):
                             if check is not None and piece.signal is not None:
                                 signals.append(piece.signal)
@@ -219,11 +221,11 @@ class Decoding:
                             else:
                                 held.append(piece)
                     if check is None or self.usage.answer_confidence is not None:
-                        break  # no check, or checked already (the grammar cut a fresh answer short)
+                        break  # no check, or rated already: the answer is finished
                     fresh = await self._checked(sequence, signals, held is not None)
-                    if fresh is None:
-                        break
-                    held = fresh
+                    if fresh is not None:
+                        held = fresh
+                    # and round again: an answer rated early decodes on (so does a fresh answer the grammar cut short)
                 for piece in held or ():
                     yield piece
         finally:
@@ -245,6 +247,12 @@ class Decoding:
         if decision.upstream:
             return await self._upstream_step(sequence, logits, signal, decision)
         return [await self._local_step(logits, signal)]
+
+    def _rating_due(self) -> bool:
+        """Whether an unfinished answer has reached the tokens its check rates."""
+        check = self.request.answer_check
+        return (check is not None and check.at_tokens is not None and self.usage.answer_confidence is None
+                and len(self.answer_tokens) >= check.at_tokens)
 
     async def _checked(self, sequence: Sequence, signals: list[Signal], held: bool) -> list[Piece] | None:
         """Rate the finished answer; if it is held and below the bar, ask the upstream afresh and
