@@ -537,7 +537,7 @@ def _source(spec: str) -> tuple[str, str, str | None]:
 def _afresh(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from eval.afresh import agreement, confidences_of, derived
+    from eval.afresh import agreement, confidences_of, derived, prefix_stats
     from eval.analysis import auroc, reliability
     from eval.records import in_rows, read_records, records_path, write_records
     from policies.answer_check import AnswerCheck
@@ -549,11 +549,17 @@ def _afresh(args: argparse.Namespace) -> int:
         base, upstream = in_rows(base, rows), in_rows(upstream, rows)
     if not base or not upstream:
         raise ValueError(f"{source} needs {args.base} and upstream records of {args.dataset}")
-    check = AnswerCheck.load(args.check)
-    if check.at_tokens is not None:
-        raise ValueError(f"{args.check} rates answers at {check.at_tokens} tokens: deriving its records is not "
-                         "supported (decode it: `python -m eval run --check ... --configs local,afresh=P`)")
-    labels, confidences = np.array([float(r["correct"]) for r in base]), confidences_of(check, base)
+    check, stats = AnswerCheck.load(args.check), None
+    if check.at_tokens is not None:  # rated on the first tokens' signals, which only the analysis keeps
+        analysed = {a["id"]: a for a in read_records(_analysis_path(source, args.dataset, args.base))}
+        base = [r for r in base if r["id"] in analysed]
+        if not base:
+            raise ValueError(f"{args.check} rates answers at {check.at_tokens} tokens: run `python -m eval analyze "
+                             f"--answers {args.base}` on {source.name} first")
+        stats = {r["id"]: prefix_stats(analysed[r["id"]], r, check.at_tokens) for r in base}
+    labels = np.array([float(r["correct"]) for r in base])
+    confidences = confidences_of(check, base) if stats is None else np.array([check.confidence(stats[r["id"]])
+                                                                              for r in base])
     print(f"{len(base)} {args.base} answers, {labels.mean():.1%} correct; the check's AUROC on them "
           f"{auroc(confidences, labels):.4f}\n\n| confidence | answers | mean confidence | correct |\n|---|---|---|---|")
     for low, high, count, mean, correct in reliability(confidences, labels):
@@ -565,7 +571,7 @@ def _afresh(args: argparse.Namespace) -> int:
             write_records(records_path(run_dir, args.dataset, name), found)
     for below in [*args.below, *(sorted(check.shares.values()) if args.at_shares else [])]:
         name = f"{args.base},afresh={below:g}"
-        records = derived(base, upstream, check, below, name)
+        records = derived(base, upstream, check, below, name, stats)
         write_records(records_path(run_dir, args.dataset, name), records)
         asked = sum(r["afresh"] for r in records)
         print(f"{name}: {asked} of {len(records)} asked afresh, {sum(r['correct'] for r in records)} correct")

@@ -56,26 +56,31 @@ def prefix_stats(analysis: dict[str, Any], record: dict[str, Any], k: int | None
 
 
 def derived(base: Sequence[dict[str, Any]], upstream: Sequence[dict[str, Any]], check: AnswerCheck,
-            escalate_below: float, name: str) -> list[dict[str, Any]]:
-    """The records of config `name` (`<base>,afresh=<escalate_below>`) on the items both runs answered."""
+            escalate_below: float, name: str, stats: dict[str, AnswerStats] | None = None) -> list[dict[str, Any]]:
+    """The records of config `name` (`<base>,afresh=<escalate_below>`) on the items both runs answered.
+    `stats`: what the check rated of each answer, by id (default: the whole answer, as recorded); an
+    answer rated on its first tokens is escalated after those, its time counted pro rata."""
     fresh = {r["id"]: r for r in upstream}
     records = []
     for record in base:
         if record["id"] not in fresh:
             continue
-        confidence = check.confidence(AnswerStats.of_record(record))
+        rated = stats[record["id"]] if stats is not None else AnswerStats.of_record(record)
+        confidence = check.confidence(rated)
         if confidence < escalate_below:
-            out = _escalated(record, fresh[record["id"]])
+            out = _escalated(record, fresh[record["id"]], rated.answer_tokens)
         else:
             out = {**record, "afresh": False}
         records.append({**out, "config": name, "answer_confidence": round(confidence, 4), "derived": True})
     return records
 
 
-def _escalated(base: dict[str, Any], fresh: dict[str, Any]) -> dict[str, Any]:
-    """The upstream's answer, billed on top of the base answer's hand-offs, timed after it."""
-    record = {**fresh, "afresh": True, "discarded_tokens": base["answer_tokens"],
-              "wall_s": round(base["wall_s"] + fresh["wall_s"], 4)}
+def _escalated(base: dict[str, Any], fresh: dict[str, Any], discarded: int) -> dict[str, Any]:
+    """The upstream's answer after the base answer's first `discarded` tokens: billed on top of the
+    base answer's hand-offs (all of them: which came before the rating is not recorded), timed after
+    those tokens."""
+    spent = base["wall_s"] * discarded / max(1, base["answer_tokens"])
+    record = {**fresh, "afresh": True, "discarded_tokens": discarded, "wall_s": round(spent + fresh["wall_s"], 4)}
     for key in BILLED:
         record[key] = base.get(key, 0) + fresh.get(key, 0)
     return record

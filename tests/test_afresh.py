@@ -3,6 +3,7 @@ the upstream's, what it does when it cannot, and the evaluation's derived record
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -177,6 +178,15 @@ def test_derived_records_take_the_upstreams_answer_below_the_bar_and_bill_both()
     assert all(r["upstream_calls"] == 3 and r["upstream_cost_usd"] == 1.5 and r["wall_s"] == 3.0 for r in asked)
     assert all(r["text"] == "local" and r["upstream_calls"] == 2 for r in out if not r["afresh"])
     assert max(r["answer_confidence"] for r in asked) < min(r["answer_confidence"] for r in out if not r["afresh"])
+
+
+def test_derived_records_of_an_early_check_discard_only_the_rated_tokens_and_their_share_of_the_time():
+    local = [{**r, "answer_tokens": 200, "wall_s": 10.0} for r in records(4)]
+    upstream = [{**r, "text": "upstream", "wall_s": 2.0} for r in local]
+    early = {r["id"]: dataclasses.replace(AnswerStats.of_record(r), answer_tokens=50) for r in local}
+    out = derived(local, upstream, by_length(50), 0.9, "local,afresh=0.9", early)
+    assert all(r["afresh"] and r["discarded_tokens"] == 50 and r["wall_s"] == 2.0 + 10.0 * 50 / 200 for r in out)
+    assert {r["answer_confidence"] for r in out} == {rated_at(50)}  # rated on the 50 tokens, not the 200
 
 
 def test_afresh_configs_parse_and_bad_ones_are_refused():
