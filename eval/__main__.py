@@ -81,8 +81,6 @@ def _parser() -> argparse.ArgumentParser:
     _common(diverge)
     diverge.add_argument("--max-tokens", type=int, help=f"answer length of the roll-outs (default {MAX_TOKENS})")
     diverge.add_argument("--parallel", type=int, default=4, help="roll-outs decoded at once")
-    diverge.add_argument("--items-at-once", type=int, default=2,
-                         help="answers labelled together (keeps the batch full while one answer's last roll-outs run)")
     diverge.add_argument("--n-ctx", type=int, default=2048)
     diverge.set_defaults(command=_diverge)
 
@@ -347,19 +345,12 @@ async def _diverge_async(args: argparse.Namespace, items: list[Any], analysis: d
         return
     local = await LocalModel.load(resolve_model(args.local, fetch=True), args.n_ctx, args.threads, n_batch=256,
                                   queue_limit=64, parallel=args.parallel)
-    at_once = asyncio.Semaphore(args.items_at_once)
-
-    async def label(item: Any, bar: tqdm) -> None:
-        async with at_once:
+    try:
+        for item in tqdm(items, unit="item", mininterval=2.0):
             record = analysis[item.id]
             labels = await divergent(local, args.dataset, item, references[item.id]["tokens"], record["mismatch"],
                                      args.max_tokens or MAX_TOKENS[args.dataset])
             append_record(out, {"id": item.id, "row": item.row, "mismatch": record["mismatch"], "divergent": labels})
-            bar.update()
-
-    try:
-        with tqdm(total=len(items), unit="item", mininterval=2.0) as bar:
-            await asyncio.gather(*(label(item, bar) for item in items))
     finally:
         local.close()
 
