@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Asking afresh after the first 128 tokens on GSM8K (docs/results.md, "Asking afresh", "Rating
+# earlier"): the same protocol as eval/afresh.sh with a check read at K = 128 tokens (the fewest of
+# 16/32/64/128/192 within 0.02 of the whole-answer check's two-fold AUROC on the train answers,
+# `python -m eval.early_rating`). Fitted on train rows 0-139, escalate_below chosen on dev rows 0-49
+# by eval/afresh.sh's rule, reported on dev rows 100-198; records derived from the landed local and
+# upstream-only records (eval/afresh.py), the local answers' signals from their analysis.
+# Resumable: rerun to continue.   nohup nice -n 15 bash eval/early_check.sh > eval-early.log 2>&1 &
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+EVAL=".venv/bin/python -m eval"
+CHECK=routers/gsm8k-answer-check-at128-qwen2.5-coder-0.5b.json
+SHEETS="--sheet frontier-openai --sheet deepseek --sheet frontier-anthropic --sheet self-hosted"
+
+# 1. the local model's signals along its own answers: train rows (fit) and dev rows (choose, report)
+$EVAL analyze --dataset gsm8k --data data/gsm8k_train7473.jsonl --rows 0:140 --run-name gsm8k_train_local \
+  --answers local --threads 2
+$EVAL analyze --dataset gsm8k --rows 0:50 --run-name learned_gsm8k --answers local --threads 2
+$EVAL analyze --dataset gsm8k --rows 100:199 --run-name learned_gsm8k --answers local --threads 2
+# 2. the check, read at 128 tokens, fitted on train answers
+$EVAL answer-check --dataset gsm8k --run-name gsm8k_train_local --fit-rows 0:140 --at-tokens 128 \
+  --share 0.3 0.4 0.5 0.6 0.7 --out $CHECK
+# 3. choose on dev rows 0-49
+$EVAL afresh --dataset gsm8k --run-name early_gsm8k_choose --from-run learned_gsm8k --rows 0:50 --check $CHECK \
+  --at-shares
+$EVAL costs --dataset gsm8k --run-name early_gsm8k_choose $SHEETS
+# 4. report on dev rows 100-198 (CHOSEN: the value step 3 picked)
+if [ -n "${CHOSEN:-}" ]; then
+  $EVAL afresh --dataset gsm8k --run-name early_gsm8k_report --from-run learned_gsm8k --rows 100:199 \
+    --check $CHECK --below "$CHOSEN" --at-shares
+  $EVAL costs --dataset gsm8k --run-name early_gsm8k_report $SHEETS
+  $EVAL report --dataset gsm8k --run-name early_gsm8k_report --paired --costs
+fi
