@@ -32,3 +32,12 @@ if [ -n "${CHOSEN:-}" ]; then
   $EVAL costs --dataset gsm8k --run-name early_gsm8k_report $SHEETS
   $EVAL report --dataset gsm8k --run-name early_gsm8k_report --paired --costs
 fi
+# 5. decoded for real on rows 100-119 (local, upstream-only and the chosen config in one run, so that
+#    the derived records come from answers decoded on the same machine), derived again from them
+if [ -n "${CHOSEN:-}" ]; then
+  $EVAL run --dataset gsm8k --rows 100:120 --max-tokens 512 --run-name early_gsm8k_live --check $CHECK \
+    --configs local upstream "local,afresh=$CHOSEN" --block 2
+  $EVAL analyze --dataset gsm8k --rows 100:120 --run-name early_gsm8k_live --answers local --threads 2
+  $EVAL afresh --dataset gsm8k --run-name early_gsm8k_compare --from-run early_gsm8k_live --check $CHECK \
+    --below "$CHOSEN" --against early_gsm8k_live
+fi
