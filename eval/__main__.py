@@ -23,6 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from eval.datasets import DEFAULT_FILES, MAX_TOKENS, load_items, parse_rows
+from eval.records import analysis_path
 
 LOCAL, UPSTREAM = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
 RUNS_DIR = Path(__file__).resolve().parent.parent / "results" / "runs"  # records apart from the harness
@@ -287,7 +288,7 @@ def _analyze(args: argparse.Namespace) -> int:
     references = {r["id"]: r for r in read_records(records_path(run_dir, args.dataset, args.answers))}
     if not references:
         raise ValueError(f"no {args.answers} answers for {args.dataset} in {run_dir}: run that config first")
-    out = _analysis_path(run_dir, args.dataset, args.answers)
+    out = analysis_path(run_dir, args.dataset, args.answers)
     done = {r["id"] for r in read_records(out)}
     items = [i for i in load_items(args.dataset, args.data, args.rows) if i.id in references and i.id not in done]
     if items:
@@ -309,20 +310,15 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def _analysis_path(run_dir: Path, dataset: str, answers: str = "upstream") -> Path:
-    """Where `analyze` keeps the teacher-forced records of `answers`' answers."""
-    return run_dir / "analysis" / (f"{dataset}.jsonl" if answers == "upstream" else f"{dataset}.{answers}.jsonl")
-
-
 # -- calibrate --
 
 def _diverge(args: argparse.Namespace) -> int:
     from eval.records import in_rows, read_records, records_path
 
     run_dir = args.runs_dir / args.run_name
-    analysis = {r["id"]: r for r in read_records(_analysis_path(run_dir, args.dataset))}
+    analysis = {r["id"]: r for r in read_records(analysis_path(run_dir, args.dataset))}
     references = {r["id"]: r for r in read_records(records_path(run_dir, args.dataset, "upstream"))}
-    out = run_dir / "analysis" / f"{args.dataset}.divergent.jsonl"
+    out = analysis_path(run_dir, args.dataset, "divergent")
     done = {r["id"] for r in read_records(out)}
     items = [i for i in load_items(args.dataset, args.data, args.rows)
              if i.id in analysis and i.id in references and i.id not in done]
@@ -360,7 +356,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from eval.records import in_rows, read_records, write_json
 
     run_dir = args.runs_dir / args.run_name
-    records = read_records(_analysis_path(run_dir, args.dataset))
+    records = read_records(analysis_path(run_dir, args.dataset))
     fit = in_rows(records, parse_rows(args.fit_rows))
     held_out = in_rows(records, parse_rows(args.eval_rows)) if args.eval_rows else []
     if not fit:
@@ -414,7 +410,7 @@ def _learn(args: argparse.Namespace, fit: list[dict[str, Any]], held_out: list[d
     held_out_labels, mismatch_fit = "mismatch", fit
     if args.label == "divergent":
         labels = {r["id"]: r["divergent"] for r in read_records(
-            args.runs_dir / args.run_name / "analysis" / f"{args.dataset}.divergent.jsonl")}
+            analysis_path(args.runs_dir / args.run_name, args.dataset, "divergent"))}
         fit = [{**r, "mismatch": labels[r["id"]]} for r in fit if r["id"] in labels]
         if not fit:
             raise ValueError("no divergent labels for the fit rows: run `python -m eval diverge` on them first")
@@ -454,7 +450,7 @@ def _thresholds(args: argparse.Namespace) -> int:
     from eval.records import in_rows, read_records
     from policies.learned import Router
 
-    path = _analysis_path(args.runs_dir / args.run_name, args.dataset, "local")
+    path = analysis_path(args.runs_dir / args.run_name, args.dataset, "local")
     fit = in_rows(read_records(path), parse_rows(args.fit_rows))
     if not fit:
         raise ValueError(f"no analysed local answers for rows {args.fit_rows} in {path}: run "
@@ -483,26 +479,22 @@ def _answer_check(args: argparse.Namespace) -> int:
     import numpy as np
 
     from adapters.model_files import model_sha256
-    from eval.afresh import fit, prefix_stats
+    from eval.afresh import confidences_of, fit
     from eval.analysis import auroc
     from eval.records import in_rows, read_records, records_path
-    from policies.answer_check import AnswerStats
 
     sources = [(args.dataset, args.run_name, args.fit_rows), *(_source(spec) for spec in args.also)]
-    records, stats = [], []
+    records, stats = [], {}
     for dataset, run, rows in sources:
         path = records_path(args.runs_dir / run, dataset, "local")
         found = in_rows(read_records(path), parse_rows(rows)) if rows else read_records(path)
-        if args.at_tokens:  # rated on the first tokens' signals, which only the analysis keeps
-            analysed = {a["id"]: a for a in read_records(_analysis_path(args.runs_dir / run, dataset, "local"))}
-            found = [r for r in found if r["id"] in analysed]
-            stats += [prefix_stats(analysed[r["id"]], r, args.at_tokens) for r in found]
-        else:
-            stats += [AnswerStats.of_record(r) for r in found]
+        rated = _answer_stats(args.runs_dir / run, dataset, "local", found, args.at_tokens)
+        found = [r for r in found if r["id"] in rated]
         if not found:
             raise ValueError(f"no {'analysed ' if args.at_tokens else ''}local answers in {path}"
                              + (f" for rows {rows}" if rows else ""))
         records += found
+        stats.update(rated)
     meta = {"command": f"python -m eval {shlex.join(sys.argv[1:])}",
             "fitted_on": [{"dataset": d, "run": r, "rows": rows or "all"} for d, r, rows in sources]}
     check = fit(records, args.share, model_sha256(args.local), meta, stats=stats, at_tokens=args.at_tokens)
@@ -510,11 +502,22 @@ def _answer_check(args: argparse.Namespace) -> int:
     args.out.write_text(json.dumps(check.to_json(), indent=1) + "\n")
     labels = np.array([float(r["correct"]) for r in records])
     print(f"{len(records)} answers, {labels.mean():.1%} correct; AUROC on them "
-          f"{auroc(np.array([check.confidence(s) for s in stats]), labels):.4f}")
+          f"{auroc(confidences_of(check, records, stats), labels):.4f}")
     for share, below in sorted(check.shares.items()):
         print(f"ask {share:.0%} afresh: escalate_below {below:.4f}")
     print(f"answer check: {args.out}")
     return 0
+
+
+def _answer_stats(run_dir: Path, dataset: str, answers: str, records: list[dict[str, Any]],
+                  at_tokens: int | None) -> dict[str, Any]:
+    """What a check reads of each of `records` (eval.afresh.answer_stats); a check read at
+    `at_tokens` needs the answers' analysis, and answers without one are left out."""
+    from eval.afresh import answer_stats
+    from eval.records import read_records
+
+    analysed = {a["id"]: a for a in read_records(analysis_path(run_dir, dataset, answers))} if at_tokens else {}
+    return answer_stats(records, at_tokens, analysed)
 
 
 def _source(spec: str) -> tuple[str, str, str | None]:
@@ -528,7 +531,7 @@ def _source(spec: str) -> tuple[str, str, str | None]:
 def _afresh(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from eval.afresh import agreement, confidences_of, derived, prefix_stats
+    from eval.afresh import agreement, confidences_of, derived
     from eval.analysis import auroc, reliability
     from eval.records import in_rows, read_records, records_path, write_records
     from policies.answer_check import AnswerCheck
@@ -540,17 +543,13 @@ def _afresh(args: argparse.Namespace) -> int:
         base, upstream = in_rows(base, rows), in_rows(upstream, rows)
     if not base or not upstream:
         raise ValueError(f"{source} needs {args.base} and upstream records of {args.dataset}")
-    check, stats = AnswerCheck.load(args.check), None
-    if check.at_tokens is not None:  # rated on the first tokens' signals, which only the analysis keeps
-        analysed = {a["id"]: a for a in read_records(_analysis_path(source, args.dataset, args.base))}
-        base = [r for r in base if r["id"] in analysed]
-        if not base:
-            raise ValueError(f"{args.check} rates answers at {check.at_tokens} tokens: run `python -m eval analyze "
-                             f"--answers {args.base}` on {source.name} first")
-        stats = {r["id"]: prefix_stats(analysed[r["id"]], r, check.at_tokens) for r in base}
-    labels = np.array([float(r["correct"]) for r in base])
-    confidences = confidences_of(check, base) if stats is None else np.array([check.confidence(stats[r["id"]])
-                                                                              for r in base])
+    check = AnswerCheck.load(args.check)
+    stats = _answer_stats(source, args.dataset, args.base, base, check.at_tokens)
+    base = [r for r in base if r["id"] in stats]
+    if not base:
+        raise ValueError(f"{args.check} rates answers at {check.at_tokens} tokens: run `python -m eval analyze "
+                         f"--answers {args.base}` on {source.name} first")
+    labels, confidences = np.array([float(r["correct"]) for r in base]), confidences_of(check, base, stats)
     print(f"{len(base)} {args.base} answers, {labels.mean():.1%} correct; the check's AUROC on them "
           f"{auroc(confidences, labels):.4f}\n\n| confidence | answers | mean confidence | correct |\n|---|---|---|---|")
     for low, high, count, mean, correct in reliability(confidences, labels):

@@ -27,22 +27,35 @@ BILLED = ("upstream_calls", "upstream_prompt_tokens", "upstream_completion_token
 
 
 def fit(records: Sequence[dict[str, Any]], shares: Sequence[float], model_sha256: str, meta: dict[str, Any],
-        l2: float = 1.0, stats: Sequence[AnswerStats] | None = None, at_tokens: int | None = None) -> AnswerCheck:
+        l2: float = 1.0, stats: dict[str, AnswerStats] | None = None, at_tokens: int | None = None) -> AnswerCheck:
     """An answer check fitted on local answers (`correct` is the label), with the escalate_below
-    that asks afresh for each share of them. `stats`: what it rates of each answer (default: the
-    whole answer's, as the records keep them; `prefix_stats` for a check rated at `at_tokens`)."""
-    stats = stats if stats is not None else [AnswerStats.of_record(r) for r in records]
-    x = np.array([s.features() for s in stats])
+    that asks afresh for each share of them. `stats`: what it reads of each answer, by id (default:
+    the whole answer, as recorded; see `answer_stats` for a check read at `at_tokens`)."""
+    stats = stats if stats is not None else answer_stats(records)
+    x = np.array([stats[r["id"]].features() for r in records])
     y = np.array([float(r["correct"]) for r in records])
     weights, bias, mean, scale = fit_logistic(x, y, l2)
     check = AnswerCheck(weights, bias, mean, scale, {}, model_sha256,
                         {**meta, "fit_answers": len(records), "fit_accuracy": round(float(y.mean()), 4)}, at_tokens)
-    confidences = np.array([check.confidence(s) for s in stats])
+    confidences = confidences_of(check, records, stats)
     return dataclasses.replace(check, shares={float(s): round(float(np.quantile(confidences, s)), 5) for s in shares})
 
 
-def confidences_of(check: AnswerCheck, records: Sequence[dict[str, Any]]) -> np.ndarray:
-    return np.array([check.confidence(AnswerStats.of_record(r)) for r in records])
+def confidences_of(check: AnswerCheck, records: Sequence[dict[str, Any]],
+                   stats: dict[str, AnswerStats] | None = None) -> np.ndarray:
+    stats = stats if stats is not None else answer_stats(records)
+    return np.array([check.confidence(stats[r["id"]]) for r in records])
+
+
+def answer_stats(records: Sequence[dict[str, Any]], at_tokens: int | None = None,
+                 analysed: dict[str, dict[str, Any]] | None = None) -> dict[str, AnswerStats]:
+    """What a check reads of each answer, by id: the whole answer as its record keeps it, or, for a
+    check read at `at_tokens`, the answer's first tokens from its analysis (`analysed`, by id; answers
+    without one are left out)."""
+    if at_tokens is None:
+        return {r["id"]: AnswerStats.of_record(r) for r in records}
+    analysed = analysed or {}
+    return {r["id"]: prefix_stats(analysed[r["id"]], r, at_tokens) for r in records if r["id"] in analysed}
 
 
 def prefix_stats(analysis: dict[str, Any], record: dict[str, Any], k: int | None) -> AnswerStats:
@@ -61,11 +74,12 @@ def derived(base: Sequence[dict[str, Any]], upstream: Sequence[dict[str, Any]], 
     `stats`: what the check rated of each answer, by id (default: the whole answer, as recorded); an
     answer rated on its first tokens is escalated after those, its time counted pro rata."""
     fresh = {r["id"]: r for r in upstream}
+    stats = stats if stats is not None else answer_stats(base)
     records = []
     for record in base:
         if record["id"] not in fresh:
             continue
-        rated = stats[record["id"]] if stats is not None else AnswerStats.of_record(record)
+        rated = stats[record["id"]]
         confidence = check.confidence(rated)
         if confidence < escalate_below:
             out = _escalated(record, fresh[record["id"]], rated.answer_tokens)

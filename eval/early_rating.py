@@ -24,7 +24,7 @@ from eval.afresh import prefix_stats
 from eval.analysis import auroc
 from eval.datasets import parse_rows
 from eval.learn import fit_logistic
-from eval.records import in_rows, read_records, records_path
+from eval.records import analysis_path, in_rows, read_records, records_path
 
 RUNS_DIR = Path(__file__).resolve().parent.parent / "results" / "runs"
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run_dir = args.runs_dir / args.run_name
     records = {r["id"]: r for r in read_records(records_path(run_dir, args.dataset, "local"))}
-    analyses = [a for a in read_records(run_dir / "analysis" / f"{args.dataset}.local.jsonl") if a["id"] in records]
+    analyses = [a for a in read_records(analysis_path(run_dir, args.dataset, "local")) if a["id"] in records]
     if args.rows:
         analyses = in_rows(analyses, parse_rows(args.rows))
     if not analyses:

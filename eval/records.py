@@ -23,6 +23,11 @@ def records_path(run_dir: Path, dataset: str, config: str) -> Path:
     return run_dir / f"{dataset}{SEP}{config}.jsonl"
 
 
+def analysis_path(run_dir: Path, dataset: str, answers: str = "upstream") -> Path:
+    """Where `python -m eval analyze` keeps the teacher-forced records of `answers`' answers."""
+    return run_dir / "analysis" / (f"{dataset}.jsonl" if answers == "upstream" else f"{dataset}.{answers}.jsonl")
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """Every complete record in `path` (none if it does not exist); the last per id wins."""
     if not path.exists():
