@@ -317,6 +317,20 @@ async def test_a_guess_the_upstream_contradicts_is_rolled_back():
     invariant(decoding)
 
 
+@pytest.mark.parametrize("branches", [True, False])
+async def test_a_guess_along_the_runner_up_is_kept_when_the_upstream_writes_it(branches):
+    local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({2}), lean=1.0,
+                           alternative="Paris is big.", branches=branches)
+    upstream = FakeUpstream("Paris is big.", chars_per_token=4, delay_s=0.2)
+    decoding, _ = make(local, upstream, policy="entropy", threshold=1.0)
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is big." and len(upstream.calls) == 1
+    # "." was guessed after " big" on the branch while " big" was upstream; without one, " nice." was
+    assert decoding.usage.guess_kept_tokens == int(branches) and local.adopted == int(branches)
+    assert decoding.usage.guessed_handoffs == ([0, 1, 0] if branches else [0, 0, 1])
+    invariant(decoding)
+
+
 async def test_sampled_requests_do_not_guess():
     local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({0}), lean=1.0)
     upstream = FakeUpstream("Paris is nice.", chars_per_token=5, delay_s=0.2)
