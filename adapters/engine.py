@@ -30,10 +30,6 @@ exactly that, its logits are ready, or being computed, when it asks; if not (a h
 choice, the answer's end), the guess is dropped and the forward rewinds past it as usual. One
 guess at a time: a guess is extended only once the request has confirmed it. So the hand-over to
 the event loop and the decoder's own work per token overlap with the next llama_decode.
-
-A request may also open a `branch`: a second sequence on a free slot that starts from a copy of
-its prefix (to guess along the local runner-up while a hand-off is in flight). If the request goes
-on with the branch's tokens, `Sequence.adopt` swaps the two slots, so nothing is evaluated again.
 """
 
 from __future__ import annotations
@@ -172,44 +168,10 @@ class Engine:
         try:
             yield sequence
         finally:
-            await self._release(sequence._slot, time.monotonic())  # noqa: SLF001 - its slot now (see adopt)
-
-    @contextlib.asynccontextmanager
-    async def branch(self, sequence: "Sequence") -> AsyncIterator["Sequence | None"]:
-        """A second sequence beside `sequence` (its scope, hidden state and look-ahead) on a slot
-        that is free now, until the block exits; None when every slot is taken or a request waits
-        for one (a branch never delays another request). Its first forward copies the prefix it
-        shares with `sequence` (`llama_memory_seq_cp`) instead of evaluating it again. On exit its
-        slot is emptied first when slots are trimmed: a branch's tokens are worth nothing to the
-        next request."""
-        free = [slot for slot in self._slots if slot.owner is None]
-        if self._waiting or not free:
-            yield None
-            return
-        slot = min(free, key=lambda s: len(s.held))
-        other = Sequence(self, slot, sequence._scope, sequence._wants_hidden, sequence._speculate)  # noqa: SLF001
-        slot.owner, slot.prompt = other, 0
-        try:
-            yield other
-        finally:
-            await self._release(other._slot, 0.0)  # noqa: SLF001 - its slot now (see adopt)
-
-    async def _release(self, slot: Slot, freed_at: float) -> None:
-        slot.owner, slot.freed_at = None, freed_at
-        self._leave(slot, freed=True)
-        async with self._freed:
-            self._freed.notify()
-
-    def _swap(self, one: "Sequence", other: "Sequence") -> None:
-        """`one` and `other` exchange slots (and the tokens those hold); their jobs in flight are
-        dropped as any job of a departed owner is."""
-        with self._cond:
-            a, b = one._slot, other._slot  # noqa: SLF001
-            one._slot, other._slot = b, a  # noqa: SLF001
-            a.owner, b.owner = other, one
-            a.prompt, b.prompt = b.prompt, a.prompt
-            a.guess = b.guess = None
-            self._expected -= {a.id, b.id}
+            slot.owner, slot.freed_at = None, time.monotonic()
+            self._leave(slot, freed=True)
+            async with self._freed:
+                self._freed.notify()
 
     @staticmethod
     def _fit(slot: Slot, prompt: list[int], scope: str) -> int:
@@ -321,7 +283,7 @@ class Engine:
             tokens = [*job.tokens, int(np.argmax(logits))]
             active.append(_Job(job.slot, job.owner, tokens, concurrent.futures.Future(), job.scope, job.hidden,
                                speculate=True, guess=True))
-        elif job.slot.owner is job.owner:  # (a sequence that has swapped slots is not waited for)
+        else:
             self._expected.add(job.slot.id)
 
     def _gather(self) -> None:
@@ -493,11 +455,6 @@ class Sequence:
     def pause(self) -> None:
         """Leave the batch until the next forward (while waiting for an upstream)."""
         self._engine._leave(self._slot)
-
-    def adopt(self, branch: "Sequence") -> None:
-        """Take over `branch`'s tokens (its slot), handing it this sequence's: when the branch's
-        line of tokens is the one the request goes on with. Neither may have a forward pending."""
-        self._engine._swap(self, branch)  # noqa: SLF001 - the engine's own
 
 
 class _ThreadpoolParams(ctypes.Structure):

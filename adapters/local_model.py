@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import llama_cpp
@@ -50,14 +49,13 @@ class LocalModel:
         eos = llama_cpp.llama_vocab_eos(vocab)
         self.end_token = eos if eos in self._eog else min(self._eog)  # one end-of-generation token
         self._vocab = vocab
-        self.branches = False  # whether `branch` lends free sequences
 
     @classmethod
     async def load(cls, path: Path, n_ctx: int, n_threads: int, n_batch: int, queue_limit: int,
-                   parallel: int = 1, look_ahead: bool = True, branches: bool = False) -> "LocalModel":
+                   parallel: int = 1, look_ahead: bool = True) -> "LocalModel":
         """Load `path` (off the event loop) with an engine of `parallel` sequences of `n_ctx`
-        tokens each, evaluating greedy sequences' next tokens ahead if `look_ahead`, lending
-        requests free sequences as `branch`es if `branches`. Raises LocalModelError with one line."""
+        tokens each, evaluating greedy sequences' next tokens ahead if `look_ahead`. Raises
+        LocalModelError with one line."""
 
         def build() -> Llama:
             # This Llama's own context stays tiny: the engine decodes in a context of its own.
@@ -70,9 +68,7 @@ class LocalModel:
             engine.speculation = look_ahead
         except (ValueError, RuntimeError) as exc:
             raise LocalModelError(f"cannot load model {path}: {exc}") from exc
-        model = cls(llm, engine)
-        model.branches = branches
-        return model
+        return cls(llm, engine)
 
     def close(self) -> None:
         self.engine.close()
@@ -92,16 +88,6 @@ class LocalModel:
         at each step if `hidden`, evaluating greedy next tokens ahead if `speculate` (see
         Engine.sequence)."""
         return self.engine.sequence(prompt, scope, hidden, speculate)
-
-    @contextlib.asynccontextmanager
-    async def branch(self, sequence: Sequence) -> AsyncIterator[Sequence | None]:
-        """A second sequence beside `sequence` on a free slot, or None (branches off, or no slot
-        free now): see Engine.branch."""
-        if not self.branches:
-            yield None
-            return
-        async with self.engine.branch(sequence) as branch:
-            yield branch
 
     # -- tokens and text (read-only on the vocabulary: safe outside the engine) --
 

@@ -1,23 +1,22 @@
 """Latency hiding: how much of the time hand-offs add does guessing ahead win back?
 
 Run: .venv/bin/python -m bench.guessing [--local smollm2-135m-instruct] [--upstream qwen2.5-coder-0.5b-instruct]
-                                        [--rtt-ms 100] [--share 0.1] [--rounds 1] [--guess-ahead 8]
+                                        [--rtt-ms 100] [--share 0.1] [--rounds 1]
 
 The local model decodes (one thread); the upstream is a llama-cpp-python server process on
 loopback (one thread) behind an injected round trip of `--rtt-ms`; `target_fraction` routes about
-`--share` of the answer tokens. For each prompt it decodes local-only, then (the routed lanes
-taking turns to go first) routed without guessing, routed guessing along the local top choice, and
-routed guessing along the top choice and the runner-up (a second sequence, `guess_runner_up`); it
-reports each routed lane's wall time over local-only, the share of the hand-offs' added time that
-guessing removes (target >= 0.5), how many guessed tokens were kept, and which line each hand-off
-kept.
+`--share` of the answer tokens. For each prompt, alternating, it decodes local-only, routed
+without guessing and routed with guessing (greedy), and reports routed wall time over local-only
+wall time for both, the share of the hand-offs' added time that guessing removes (target >= 0.5),
+how many guessed tokens were kept, and how many hand-offs dropped their guess whole (the upstream
+wrote something else first).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from adapters.local_model import LocalModel
@@ -48,33 +47,12 @@ class Delayed:
         return await self.inner.continue_text(*args, **kwargs)
 
 
-LANES = {"routed": False, "guessing": False, "runner-up": True}  # name: guessing along the runner-up too
-
-
 async def decode(local: LocalModel, upstream: Any, prompt: str, tokens: int, policy: str, guess: int,
                  share: float) -> tuple[float, Decoding]:
     request = DecodeRequest(messages=[{"role": "user", "content": prompt}], max_tokens=tokens,
                             policy=build_policy(policy, target_fraction=share), guess_ahead=guess)
     decoding = decoding_for(local, upstream, request)
     return await timed(decoding), decoding
-
-
-@dataclass
-class Lane:
-    """One routed configuration's totals over the prompts."""
-
-    wall: float = 0.0
-    kept: int = 0
-    calls: int = 0
-    upstream_tokens: int = 0
-    lines: list[int] = field(default_factory=lambda: [0, 0, 0])
-
-    def add(self, wall: float, decoding: Decoding) -> None:
-        self.wall += wall
-        self.kept += decoding.usage.guess_kept_tokens
-        self.calls += decoding.usage.upstream_calls
-        self.upstream_tokens += decoding.source_counts()["upstream"]
-        self.lines = [a + b for a, b in zip(self.lines, decoding.usage.guessed_handoffs)]
 
 
 async def main() -> None:
@@ -84,12 +62,11 @@ async def main() -> None:
     parser.add_argument("--rtt-ms", type=float, default=100.0)
     parser.add_argument("--share", type=float, default=0.1)
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--guess-ahead", type=int, default=GUESS_LIMIT)
     parser.add_argument("--rounds", type=int, default=1, help="times through the prompts")
-    parser.add_argument("--guess-ahead", type=int, default=GUESS_LIMIT, help="most tokens a guess runs ahead")
     args = parser.parse_args()
-    # two sequences, so that a branch can take the second
     local = await LocalModel.load(resolve_model(args.local), n_ctx=1024, n_threads=1, n_batch=256,
-                                  queue_limit=4, parallel=2)
+                                  queue_limit=4)
     launch = LaunchSettings(gguf=args.upstream, server="llama-cpp-python", n_threads=1, n_ctx=2048)
     server = UpstreamServer(resolve_model(args.upstream), launch, alias="up")
     try:
@@ -98,30 +75,30 @@ async def main() -> None:
                                     template_gguf=args.upstream, extra_body={"repeat_penalty": 1.0}, retries=0,
                                     cache_isolation="shared")
         upstream = Delayed(make_upstream("up", settings), args.rtt_ms / 1000)
-        local_wall, lanes = 0.0, {name: Lane() for name in LANES}
-        for turn, prompt in enumerate(PROMPTS * args.rounds):
-            local_wall += (await decode(local, None, prompt, args.tokens, "never", 0, args.share))[0]
-            names = list(LANES)[turn % len(LANES):] + list(LANES)[:turn % len(LANES)]  # each lane goes first in turn
-            for name in names:
-                local.branches = LANES[name]
-                guess = 0 if name == "routed" else args.guess_ahead
-                lanes[name].add(*await decode(local, upstream, prompt, args.tokens, "target_fraction", guess,
-                                              args.share))
+        walls = {"local": 0.0, "routed": 0.0, "guessing": 0.0}
+        kept = routed_tokens = calls = dropped = 0
+        for prompt in PROMPTS * args.rounds:
+            walls["local"] += (await decode(local, None, prompt, args.tokens, "never", 0, args.share))[0]
+            walls["routed"] += (await decode(local, upstream, prompt, args.tokens, "target_fraction", 0, args.share))[0]
+            wall, decoding = await decode(local, upstream, prompt, args.tokens, "target_fraction", args.guess_ahead,
+                                          args.share)
+            walls["guessing"] += wall
+            kept += decoding.usage.guess_kept_tokens
+            routed_tokens += decoding.source_counts()["upstream"]
+            calls += decoding.usage.upstream_calls
+            dropped += decoding.usage.guesses_dropped
     finally:
         server.stop()
         local.close()
-    print(f"{len(PROMPTS) * args.rounds} answers, {args.tokens} tokens, local {args.local}, upstream {args.upstream} "
-          f"+ {args.rtt_ms:.0f} ms, target share {args.share}")
-    added = lanes["routed"].wall - local_wall
-    print(f"wall s: local {local_wall:.1f}, " + ", ".join(
-        f"{name} {lane.wall:.1f} ({lane.wall / local_wall:.2f}x)" for name, lane in lanes.items()))
-    for name in ("guessing", "runner-up"):
-        lane = lanes[name]
-        top, second, none = lane.lines
-        print(f"{name}: hand-off time removed {1 - (lane.wall - local_wall) / added:.0%} (target >= 50%); "
-              f"{lane.calls} hand-offs, {lane.upstream_tokens} upstream tokens, {lane.kept} guessed tokens kept "
-              f"({lane.kept / max(1, lane.calls):.1f} per hand-off); guess confirmed along the top choice "
-              f"{top}, the runner-up {second}, neither {none}")
+    added, added_guessing = walls["routed"] - walls["local"], walls["guessing"] - walls["local"]
+    print(f"{len(PROMPTS) * args.rounds} answers, {args.tokens} tokens, local {args.local}, upstream {args.upstream} + {args.rtt_ms:.0f} ms, "
+          f"target share {args.share}")
+    print(f"wall s: local {walls['local']:.1f}, routed {walls['routed']:.1f} "
+          f"({walls['routed'] / walls['local']:.2f}x), routed + guessing {walls['guessing']:.1f} "
+          f"({walls['guessing'] / walls['local']:.2f}x)")
+    print(f"hand-off time removed by guessing: {1 - added_guessing / added:.0%} (target >= 50%)")
+    print(f"guessing run: {calls} hand-offs, {routed_tokens} upstream tokens, {kept} guessed tokens kept "
+          f"({kept / max(1, calls):.1f} per hand-off); {dropped} hand-offs dropped their guess whole")
 
 
 if __name__ == "__main__":

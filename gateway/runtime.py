@@ -89,7 +89,7 @@ class Runtime:
             path = resolve_model(local.gguf)
             self.local_models[name] = await LocalModel.load(
                 path, local.n_ctx, local.n_threads, local.n_batch, settings.server.queue_limit, local.parallel,
-                look_ahead=local.look_ahead, branches=local.guess_runner_up)
+                look_ahead=local.look_ahead)
         upstreams = {name: await self._upstream(name, up) for name, up in settings.upstreams.items()}
         for name, alias in settings.aliases.items():
             upstream = upstreams[alias.upstream] if alias.upstream else None

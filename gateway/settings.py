@@ -58,9 +58,6 @@ class LocalModelSettings(Strict):
     look_ahead: bool = Field(
         True, description="While a greedy (temperature 0) request decides on a token, evaluate the local "
         "greedy token next; a guess that was not taken is dropped. Off: each step waits for its request.")
-    guess_runner_up: bool = Field(
-        False, description="While a greedy request's hand-off is in flight, guess along the local runner-up "
-        "token too, on a sequence that is free at the time (kept if the upstream writes it).")
 
 
 class RoutingSettings(Strict):

@@ -29,15 +29,13 @@ class FakeLocalModel:
     The model "wants" to write `target`: its logits peak on the longest vocab entry that
     continues the answer towards `target` (EOS once it is written or off track). At answer
     positions in `uncertain_at` the distribution is flat (high entropy), leaning by `lean` towards
-    that token (so a greedy guess there still follows `target`). With an `alternative` answer, an
-    answer on its track (and off `target`'s) continues towards it, and at uncertain positions its
-    next token is the runner-up (half the lean). `branches`: it lends itself as a branch.
+    that token (so a greedy guess there still follows `target`).
     """
 
     def __init__(self, vocab: list[str], target: str, uncertain_at: frozenset[int] = frozenset(), n_ctx: int = 512,
-                 lean: float = 0.0, alternative: str = "", branches: bool = False):
+                 lean: float = 0.0):
         self.vocab = [EOS, *vocab]
-        self.target, self.alternative, self.branches = target, alternative, branches
+        self.target = target
         self.uncertain_at = uncertain_at
         self.lean = lean
         self.n_ctx = n_ctx
@@ -79,37 +77,18 @@ class FakeLocalModel:
         self.wants_hidden = hidden
         yield self
 
-    @contextlib.asynccontextmanager
-    async def branch(self, sequence: "FakeLocalModel"):
-        yield self if self.branches else None  # forwards depend on their tokens only: one object serves both
-
-    def adopt(self, branch: "FakeLocalModel") -> None:
-        self.adopted += 1
-
-    adopted = 0
-
     def pause(self) -> None:
         return None
-
-    def _next(self, goal: str, written: str) -> int:
-        """The longest token that continues `written` towards `goal` (0, the end, if off its track)."""
-        rest = goal[len(written):] if goal.startswith(written) else ""
-        options = [i for i in range(1, len(self.vocab)) if rest and rest.startswith(self.vocab[i])]
-        return max(options, key=lambda i: len(self.vocab[i])) if options else 0
 
     async def forward(self, tokens: list[int]) -> np.ndarray:
         self.forwards.append(list(tokens))
         answer = tokens[self.prompt_length:]
         written = "".join(self.vocab[t] for t in answer)
         logits = np.zeros(len(self.vocab), dtype=np.float32)
-        on_target = self.target.startswith(written) or not self.alternative.startswith(written)
-        best = self._next(self.target if on_target else self.alternative, written)
-        if len(answer) in self.uncertain_at:
-            if self.alternative and on_target and self.alternative.startswith(written):
-                logits[self._next(self.alternative, written)] = self.lean / 2
-            logits[best] = self.lean
-        else:
-            logits[best] = 20.0
+        rest = self.target[len(written):] if self.target.startswith(written) else ""
+        options = [i for i in range(1, len(self.vocab)) if rest and rest.startswith(self.vocab[i])]
+        best = max(options, key=lambda i: len(self.vocab[i])) if options else 0
+        logits[best] = self.lean if len(answer) in self.uncertain_at else 20.0
         self.hidden = logits.copy() if self.wants_hidden else None
         return logits
 

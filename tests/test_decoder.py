@@ -303,6 +303,7 @@ async def test_a_guess_the_upstream_confirms_is_kept():
     text = "".join(p.text for p in await run(decoding))
     assert text == "Paris is nice." and len(upstream.calls) == 1
     assert decoding.usage.guess_kept_tokens == 3  # " is", " nice", "." decoded while "Paris" was upstream
+    assert decoding.usage.guesses_dropped == 0
     assert decoding.source_counts() == {"local": 3, "upstream": 1, "cache": 0}
     invariant(decoding)
 
@@ -313,21 +314,8 @@ async def test_a_guess_the_upstream_contradicts_is_rolled_back():
     decoding, _ = make(local, upstream, policy="entropy", threshold=1.0)
     text = "".join(p.text for p in await run(decoding))
     assert text == "Paris is big" and decoding.usage.guess_kept_tokens == 0  # " nice." was guessed, then dropped
+    assert decoding.usage.guesses_dropped == 1
     assert local.forwards[-1] == [1] * local.prompt_length + local.tokenize_text(b"Paris is big")
-    invariant(decoding)
-
-
-@pytest.mark.parametrize("branches", [True, False])
-async def test_a_guess_along_the_runner_up_is_kept_when_the_upstream_writes_it(branches):
-    local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({2}), lean=1.0,
-                           alternative="Paris is big.", branches=branches)
-    upstream = FakeUpstream("Paris is big.", chars_per_token=4, delay_s=0.2)
-    decoding, _ = make(local, upstream, policy="entropy", threshold=1.0)
-    text = "".join(p.text for p in await run(decoding))
-    assert text == "Paris is big." and len(upstream.calls) == 1
-    # "." was guessed after " big" on the branch while " big" was upstream; without one, " nice." was
-    assert decoding.usage.guess_kept_tokens == int(branches) and local.adopted == int(branches)
-    assert decoding.usage.guessed_handoffs == ([0, 1, 0] if branches else [0, 0, 1])
     invariant(decoding)
 
 

@@ -143,31 +143,6 @@ async def test_a_guess_the_request_does_not_take_is_undone(local, solo):
     assert_same_step(other, (await greedy(solo, base + [second], 1))[1][0])
 
 
-async def test_a_branch_copies_its_prefix_and_once_adopted_is_not_evaluated_again(local, solo):
-    base = prompt(local, SYSTEM_A, "Count to five.")
-    async with local.sequence(base) as sequence:
-        logits = await sequence.forward(base)
-        top, second = (int(t) for t in np.argsort(logits)[::-1][:2])
-        async with local.engine.branch(sequence) as branch:
-            before = local.engine.evaluated
-            _, branched = await asyncio.gather(sequence.forward(base + [top]), branch.forward(base + [second]))
-            assert local.engine.evaluated - before == 2  # one token each: the branch copied `base`
-            following = int(np.argmax(branched))
-            sequence.adopt(branch)
-            before = local.engine.evaluated
-            adopted = await sequence.forward(base + [second, following])
-            assert local.engine.evaluated - before == 1  # the sequence now holds the branch's tokens
-        assert sum(slot.owner is not None for slot in local.engine._slots) == 1  # the branch's slot is free
-    assert_same_step(branched, (await greedy(solo, base + [second], 1))[1][0])
-    assert_same_step(adopted, (await greedy(solo, base + [second, following], 1))[1][0])
-
-
-async def test_no_branch_is_lent_while_every_sequence_is_taken(solo):
-    base = prompt(solo, SYSTEM_A, "Count to five.")
-    async with solo.sequence(base) as sequence, solo.engine.branch(sequence) as branch:
-        assert branch is None
-
-
 async def test_rewinding_a_wrong_guess_matches_a_cold_start(local, solo):
     base = prompt(local, SYSTEM_A, "Count to five.")
     async with local.sequence(base) as sequence:

@@ -6,13 +6,10 @@ writes up to `span` tokens of text; that text is re-tokenized with the local tok
 appended (rewinding to the common prefix where the boundary re-merges), and local decoding
 carries on. A failed or refused hand-off decodes the step locally instead.
 
-Each request decodes on a sequence of its own in the local model's batched engine. While a greedy
-request's hand-off is in flight it keeps decoding the local model's own greedy guess; if the
-upstream writes what the guess began with, the rest of the guess is kept (each kept step still
-passes the policy, as it would have in turn), otherwise it is dropped and the next forward rewinds
-the sequence. Where the local model lends a free sequence as a branch (`guess_runner_up`), a second
-guess starts from the local runner-up token there, in the same engine steps; if the upstream writes
-that one, the branch's tokens become the request's.
+Each request decodes on a sequence of its own in the local model's batched engine. While a greedy request's hand-off is in flight it keeps decoding
+the local model's own greedy guess; if the upstream writes what the guess began with, the rest of
+the guess is kept (each kept step still passes the policy, as it would have in turn), otherwise it
+is dropped and the next forward rewinds the sequence.
 
 A request's penalties and logit_bias adjust the local logits before anything reads them. Under a
 grammar (`response_format` JSON) every local token is one the grammar allows, an upstream span is
@@ -30,7 +27,6 @@ is not finished locally first.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -123,7 +119,7 @@ class RoutingUsage:
 
     policy: str
     guess_kept_tokens: int = 0  # local tokens decoded during hand-offs and kept
-    guessed_handoffs: list[int] = field(default_factory=lambda: [0, 0, 0])  # guess kept: top-1 line, runner-up's, none
+    guesses_dropped: int = 0  # hand-offs whose guess the upstream did not write (dropped whole)
     upstream_calls: int = 0  # hand-offs answered by the upstream (a warm-up is billed but not counted here)
     upstream_prompt_tokens: int = 0
     upstream_completion_tokens: int = 0
@@ -409,24 +405,23 @@ class Decoding:
         self.usage.escalated = self.usage.escalated or escalating
         billed_before = self.usage.upstream_cost_usd
         call = asyncio.ensure_future(self._continuation(self._handoff, span))
-        async with self.local.branch(sequence) if self._guessing else contextlib.nullcontext() as branch:
-            try:
-                lines = await self._guess(sequence, branch, logits, signal, call)
-                got = await call
-            except BaseException:
-                call.cancel()
-                raise
-            finally:
-                if self.request.ceiling is not None:
-                    self.request.ceiling.settle(held or 0.0, self.usage.upstream_cost_usd - billed_before)
-            before = list(self.answer_tokens)
-            if got is not None and self._grammar is not None:
-                got = self._grammar_cut(*got)
-            if got is None or (not got[0] and not got[1]):
-                pieces = [await self._local_step(logits, signal)]
-            else:
-                pieces = [await self._append_upstream(sequence, *got, signal)]
-            return pieces + self._keep_guesses(before, lines, sequence, branch)
+        try:
+            guesses = await self._guess(sequence, logits, signal, call)
+            got = await call
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            if self.request.ceiling is not None:
+                self.request.ceiling.settle(held or 0.0, self.usage.upstream_cost_usd - billed_before)
+        before = list(self.answer_tokens)
+        if got is not None and self._grammar is not None:
+            got = self._grammar_cut(*got)
+        if got is None or (not got[0] and not got[1]):
+            pieces = [await self._local_step(logits, signal)]
+        else:
+            pieces = [await self._append_upstream(sequence, *got, signal)]
+        return pieces + self._keep_guesses(before, guesses)
 
     def _hold_under_ceiling(self, span: int) -> float | None:
         """The worst case of this hand-off, held against the request's cost ceiling (0 with none,
@@ -463,36 +458,11 @@ class Decoding:
             self._grammar.allows(self.answer_tokens + tokens, self.local.end_token)
         return kept_text, finished, source
 
-    @property
-    def _guessing(self) -> bool:
-        return self.request.sampling.greedy and self.request.guess_ahead > 0 and self._grammar is None
-
-    async def _guess(self, sequence: Sequence, branch: Sequence | None, logits: np.ndarray, signal: Signal,
-                     call: asyncio.Future) -> list[list[Guess]]:
-        """Greedy local lines of tokens from this step on, decoded until the hand-off `call` is
-        done: the local top choice's on `sequence` and, given a `branch`, the runner-up's on it
-        (in the same engine steps). None while not guessing."""
-        if not self._guessing:
-            return []
-        top = int(np.argmax(logits))
-        starts = [(sequence, top)]
-        if branch is not None:
-            runner_up = int(np.argmax(np.where(np.arange(logits.size) == top, -np.inf, logits)))
-            if not self.local.is_end_of_generation(runner_up):
-                starts.append((branch, runner_up))
-        tasks = [asyncio.ensure_future(self._guess_line(seq, Guess(token, logits, signal), call))
-                 for seq, token in starts]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-
-    async def _guess_line(self, sequence: Sequence, first: Guess, call: asyncio.Future) -> list[Guess]:
-        guesses = [first]
-        while not call.done() and len(guesses) <= self.request.guess_ahead:
+    async def _guess(self, sequence: Sequence, logits: np.ndarray, signal: Signal, call: asyncio.Future) -> list[Guess]:
+        """Greedy local tokens from this step on, decoded until the hand-off `call` is done."""
+        guessing = self.request.sampling.greedy and self.request.guess_ahead > 0 and self._grammar is None
+        guesses = [Guess(int(np.argmax(logits)), logits, signal)] if guessing else []
+        while guesses and not call.done() and len(guesses) <= self.request.guess_ahead:
             if self.local.is_end_of_generation(guesses[-1].token) or len(self.answer_tokens) + len(guesses) >= self.limit:
                 break
             ahead = await self._forward(sequence, self.answer_tokens + [g.token for g in guesses])
@@ -501,22 +471,16 @@ class Decoding:
         sequence.pause()  # until the hand-off returns: the engine must not wait for this request
         return guesses
 
-    def _keep_guesses(self, before: list[int], lines: list[list[Guess]], sequence: Sequence,
-                      branch: Sequence | None) -> list[Piece]:
-        """The guessed steps after what the hand-off wrote, from the line that guessed all of that
-        (the runner-up's branch then becomes the request's sequence), each decided as in turn."""
+    def _keep_guesses(self, before: list[int], guesses: list[Guess]) -> list[Piece]:
+        """The guessed steps after what the hand-off wrote, if it wrote what the guess began with."""
         written = self.answer_tokens[len(before):]
-        confirmed = self.finish_reason is None and self.answer_tokens[:len(before)] == before and written
-        line = next((index for index, guesses in enumerate(lines)
-                     if confirmed and [g.token for g in guesses[:len(written)]] == written), None)
-        if lines:
-            self.usage.guessed_handoffs[2 if line is None else line] += 1
-        if line is None:
+        guessed = [g.token for g in guesses]
+        if self.finish_reason is not None or self.answer_tokens[:len(before)] != before or \
+                not written or guessed[:len(written)] != written:
+            self.usage.guesses_dropped += bool(guesses)
             return []
-        if line == 1:
-            sequence.adopt(branch)  # its tokens are the answer's now
         pieces, answered = [], len(self.answer_tokens)
-        for guess in lines[line][len(written):]:
+        for guess in guesses[len(written):]:
             if self.finish_reason is not None or self._decide(guess.signal).upstream:
                 break
             pieces.append(self._accept(guess.token, guess.logits, guess.signal))
