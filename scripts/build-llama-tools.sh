@@ -3,7 +3,7 @@
 # hash-checked llama-cpp-python sdist once, with the CPU flags of scripts/cpu_flags.py, as shared
 # libraries (libllama, libggml*, libmtmd, ...: what llama-cpp-python loads; scripts/setup.sh copies
 # them into the venv) plus the tools asked for (llama-server for setup, llama-batched-bench for the
-# benchmarks), in one CMake build tree cached by version + flags:
+# benchmarks), in one CMake unity build tree (scripts/llama-unity.cmake) cached by version + flags:
 #   $GATEWAY_CACHE/llama.cpp-<version>-<key>/   sdist/ (hash-checked), src/, build/ (bin/ holds the
 #   libraries and tools, RUNPATH $ORIGIN), build.log (all compiler output), built (targets done).
 # A target already built is not built again; another one is built incrementally in the same tree.
@@ -26,7 +26,8 @@ TARGETS="$LIBRARIES ${*:-llama-batched-bench}"
 say() { printf '%s %s\n' "$PREFIX" "$*" >&2; }
 elapsed() { local s=$(( $(date +%s) - $1 )); if [ "$s" -ge 60 ]; then echo "$((s / 60))m$((s % 60))s"; else echo "${s}s"; fi; }
 
-key=$(printf '%s %s' "$LLAMA_VERSION" "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-16)
+RECIPE=unity  # how the tree is built beyond the flags (scripts/llama-unity.cmake): part of the cache key
+key=$(printf '%s %s %s' "$LLAMA_VERSION" "$LLAMA_CMAKE_ARGS" "$RECIPE" | sha256sum | cut -c1-16)
 root="$CACHE/llama.cpp-$LLAMA_VERSION-$key"
 bin="$root/build/bin"
 log="$root/build.log"
@@ -64,7 +65,8 @@ if [ -n "$missing" ]; then
            -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON '-DCMAKE_INSTALL_RPATH=$ORIGIN' \
            -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_UI=OFF \
            -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
-           -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF $LLAMA_CMAKE_ARGS \
+           -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_UNITY_BUILD=ON "-DCMAKE_PROJECT_INCLUDE=$PWD/scripts/llama-unity.cmake" \
+           $LLAMA_CMAKE_ARGS \
          && cmake --build "$root/build" --target $missing -j "$JOBS"; } >>"$log" 2>&1; then
     say "error: the llama.cpp build failed after $(elapsed "$start"); the end of $log:"
     tail -n 40 "$log" >&2

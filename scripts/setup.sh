@@ -4,7 +4,7 @@
 #   2. llama.cpp, compiled once by scripts/build-llama-tools.sh from the sources vendored in the
 #      pinned llama-cpp-python sdist, with the CPU flags of this machine (scripts/cpu_flags.py: what
 #      /proc/cpuinfo lists, never AMX): the shared libraries llama-cpp-python loads and llama-server
-#      (the embedded upstream) from one CMake build tree, cached by version + flags in
+#      (the embedded upstream) from one CMake (unity) build tree, cached by version + flags in
 #      $GATEWAY_CACHE/llama.cpp-<version>-<key>/ (compiler output in its build.log);
 #   3. llama-cpp-python itself as a Python-only wheel (-DLLAMA_BUILD=OFF: seconds, cached there too),
 #      then those libraries and llama-server copied into its llama_cpp/lib (llama-server finds them

@@ -27,12 +27,12 @@ print(out["usage"]["completion_tokens"], repr(out["choices"][0]["text"]))
 
 
 def test_installed_build_was_made_with_the_flags_this_cpu_gets():
-    stamp = Path(sys.prefix) / ".llama-build-key"  # written by scripts/setup.sh: version + CMAKE_ARGS
+    stamp = Path(sys.prefix) / ".llama-build-key"  # written by scripts/setup.sh: version + CMAKE_ARGS + recipe
     if not stamp.exists() or os.environ.get("LLAMA_CMAKE_ARGS"):
         pytest.skip("llama-cpp-python was not built by scripts/setup.sh from detected flags")
     flags = cmake_args(CPU, platform.machine())
     version = importlib.metadata.version("llama-cpp-python")
-    assert stamp.read_text().strip() == hashlib.sha256(f"{version} {flags}".encode()).hexdigest()[:16]
+    assert stamp.read_text().strip() == hashlib.sha256(f"{version} {flags} unity".encode()).hexdigest()[:16]
     assert "AMX" not in flags
 
 
