@@ -1,6 +1,6 @@
 # Included by scripts/build-llama-tools.sh into llama.cpp's CMake project (CMAKE_PROJECT_INCLUDE) for a
 # unity build: sources compile in batches, so the big shared headers (nlohmann/json, httplib) are parsed
-# a few times instead of once per file (measured: 659 s of compiler time instead of 883 s). These sources
+# a few times instead of once per file (measured: 659-693 s of compiler time instead of 883 s). These sources
 # cannot share a batch, so they compile on their own (deferred: their targets do not exist yet here).
 # json.cpp specializes templates that the other sources of its batch instantiate first.
 cmake_language(DEFER DIRECTORY ${CMAKE_SOURCE_DIR} CALL set_source_files_properties
