@@ -101,7 +101,7 @@ seed_arg=()
 if [ "$SEED" = 1 ]; then
   python=$(command -v python3.11 || command -v python3)
   flags=${LLAMA_CMAKE_ARGS:-$("$python" scripts/cpu_flags.py)}
-  key=$(printf '%s %s' "$LLAMA_VERSION" "$flags" | sha256sum | cut -c1-16)
+  key=$(PYTHON="$python" LLAMA_CMAKE_ARGS="$flags" bash scripts/build-llama-tools.sh --key)
   build="llama.cpp-$LLAMA_VERSION-$key"  # scripts/build-llama-tools.sh's build, setup.sh's wheel
   if ls "$CACHE/$build"/wheel/llama_cpp_python-*.whl >/dev/null 2>&1 && [ -x "$CACHE/$build/build/bin/llama-server" ] \
       && grep -qx llama-server "$CACHE/$build/built"; then
@@ -117,7 +117,7 @@ if [ "$SEED" = 1 ]; then
     seed_arg=(--build-arg SEED_DIR=.image-seed)
     say "seeding the build with $CACHE (key $key: llama.cpp libraries, llama-server, wheel, $(ls "$seed/models" | wc -l) model files)"
   else
-    say "no setup cache for key $key at $CACHE: the build compiles llama.cpp (about 7 minutes on 2 cores)"
+    say "no setup cache for key $key at $CACHE: the build compiles llama.cpp (about 6 minutes on 2 cores)"
   fi
 fi
 flag_arg=()

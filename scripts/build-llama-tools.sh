@@ -9,6 +9,7 @@
 # A target already built is not built again; another one is built incrementally in the same tree.
 # Prints the bin directory (last line of stdout); progress goes to stderr, one line per stage.
 # Usage: build-llama-tools.sh [targets...]   (default llama-batched-bench; the libraries always)
+#        build-llama-tools.sh --key         (prints the cache key of these flags and builds nothing)
 # Environment: PYTHON, GATEWAY_CACHE, LLAMA_CMAKE_ARGS (default: scripts/cpu_flags.py),
 #   LLAMA_BUILD_JOBS (default: nproc), LOG_PREFIX (default [llama.cpp]).
 set -euo pipefail
@@ -28,6 +29,7 @@ elapsed() { local s=$(( $(date +%s) - $1 )); if [ "$s" -ge 60 ]; then echo "$((s
 
 RECIPE=unity  # how the tree is built beyond the flags (scripts/llama-unity.cmake): part of the cache key
 key=$(printf '%s %s %s' "$LLAMA_VERSION" "$LLAMA_CMAKE_ARGS" "$RECIPE" | sha256sum | cut -c1-16)
+[ "${1:-}" != "--key" ] || { echo "$key"; exit 0; }  # the cache key only (scripts/build-image.sh seeds by it)
 root="$CACHE/llama.cpp-$LLAMA_VERSION-$key"
 bin="$root/build/bin"
 log="$root/build.log"
