@@ -533,7 +533,7 @@ def _afresh(args: argparse.Namespace) -> int:
 
     from eval.afresh import agreement, confidences_of, derived
     from eval.analysis import auroc, reliability
-    from eval.records import in_rows, read_records, records_path, write_records
+    from eval.records import in_rows, merge_records, read_records, records_path, write_records
     from policies.answer_check import AnswerCheck
 
     source = args.runs_dir / (args.from_run or args.run_name)
@@ -558,7 +558,7 @@ def _afresh(args: argparse.Namespace) -> int:
     run_dir = args.runs_dir / args.run_name
     if run_dir.resolve() != source.resolve():  # the base and upstream records beside the derived ones, to compare
         for name, found in ((args.base, base), ("upstream", upstream)):
-            write_records(records_path(run_dir, args.dataset, name), found)
+            merge_records(records_path(run_dir, args.dataset, name), found)  # other rows there stay
     for below in [*args.below, *(sorted(check.shares.values()) if args.at_shares else [])]:
         name = f"{args.base},afresh={below:g}"
         records = derived(base, upstream, check, below, name, stats)

@@ -58,6 +58,13 @@ def write_records(path: Path, records: Iterable[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records), encoding="utf-8")
 
 
+def merge_records(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    """Replace the records of these ids in `path` and add the new ones, keeping every other record."""
+    by_id = {record["id"]: record for record in read_records(path)}
+    by_id.update((record["id"], record) for record in records)
+    write_records(path, by_id.values())
+
+
 def _ends_with_newline(path: Path) -> bool:
     with path.open("rb") as handle:
         handle.seek(-1, os.SEEK_END)

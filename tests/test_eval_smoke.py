@@ -18,7 +18,7 @@ from eval.answers import extract_choice, extract_number
 from eval.calibrate import calibrate, evaluate_threshold, threshold_for_share
 from eval.configs import ordered, parse_config
 from eval.datasets import load_items
-from eval.records import read_records, records_path
+from eval.records import merge_records, read_records, records_path, write_records
 from eval.report import build_rows, load, markdown_table, paired_table, plot
 from eval.runner import RunPlan, evaluate, run
 from eval.session import ModelOptions, Models, open_models, upstream_settings
@@ -61,6 +61,13 @@ def test_config_names():
     assert (priced.answer_value, priced.max_cost_ratio, priced.on_ceiling) == (0.5, 1.0, "escalate")
     with pytest.raises(ValueError):
         parse_config("top1@0.5,on=panic")
+
+
+def test_merging_records_replaces_those_ids_and_keeps_the_others(tmp_path):
+    path = tmp_path / "gsm8k__local.jsonl"
+    write_records(path, [{"id": "a", "correct": False}, {"id": "b", "correct": False}])
+    merge_records(path, [{"id": "b", "correct": True}, {"id": "c", "correct": True}])
+    assert read_records(path) == [{"id": "a", "correct": False}, {"id": "b", "correct": True}, {"id": "c", "correct": True}]
 
 
 def test_mcnemar_p_is_the_exact_two_sided_binomial_tail():
