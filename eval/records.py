@@ -24,7 +24,8 @@ def records_path(run_dir: Path, dataset: str, config: str) -> Path:
 
 
 def analysis_path(run_dir: Path, dataset: str, answers: str = "upstream") -> Path:
-    """Where `python -m eval analyze` keeps the teacher-forced records of `answers`' answers."""
+    """Where `python -m eval analyze` keeps the teacher-forced records of `answers`' answers
+    (`answers="divergent"`: where `python -m eval diverge` keeps its labels)."""
     return run_dir / "analysis" / (f"{dataset}.jsonl" if answers == "upstream" else f"{dataset}.{answers}.jsonl")
 
 
