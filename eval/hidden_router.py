@@ -12,6 +12,11 @@ the scalars alone and an MLP on scalars + hidden state (eval/learn_mlp.py); it r
 one's AUROC for the mismatch label on the dev rows, beside the fixed signals', and writes the
 comparison as JSON (hidden_router_<dataset>_dev<rows>.json in the train run) and the scalars +
 hidden MLP as a router file with thresholds fitted on the train rows.
+
+With `--label divergent` (R2R's label, from `python -m eval diverge` on the train run) no dev
+run is needed: the dev rows have no such labels, so each half of the labelled train answers
+(even rows, odd rows) is rated by routers fitted on the other half
+(hidden_router_<dataset>_divergent_halves.json), and `--out-router` fits on all of them.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from eval.analysis import auroc
 from eval.datasets import load_items
 from eval.hidden_steps import HiddenForcer
 from eval.learn import fit_logistic
-from eval.learn_mlp import SCALARS, MlpParams, fit_mlp, forward, projection, reduce, train_mlp
-from eval.records import read_records, records_path, write_json
+from eval.learn_mlp import SCALARS, MlpParams, fit_mlp, fit_projected, forward, projection, reduce, train_mlp
+from eval.records import analysis_path, read_records, records_path, write_json
 from policies.learned import FEATURES, Router
 
 RUNS_DIR = Path(__file__).resolve().parent.parent / "results" / "runs"
@@ -43,9 +48,9 @@ PCAS = (16, 64, None)  # hidden-state projections tried (None: the whole state)
 
 
 def rows_of(forcer: Callable[[], HiddenForcer], run_dir: Path, dataset: str, data: Path | None, rows: str | None,
-            cache: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rows, labels, answer index) of every position of the run's upstream answers, cached per
-    answer (`forcer` is called only for answers not in the cache)."""
+            cache: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """(rows, mismatch labels, answer index, the answers' item ids) of every position of the run's
+    upstream answers, cached per answer (`forcer` is called only for answers not in the cache)."""
     references = {r["id"]: r for r in read_records(records_path(run_dir, dataset, "upstream"))}
     items = [item for item in load_items(dataset, data, rows) if item.id in references]
     xs, ys, answers = [], [], []
@@ -59,7 +64,7 @@ def rows_of(forcer: Callable[[], HiddenForcer], run_dir: Path, dataset: str, dat
         xs.append(stored["x"])
         ys.append(stored["y"])
         answers.append(np.full(len(stored["y"]), index))
-    return np.concatenate(xs), np.concatenate(ys), np.concatenate(answers)
+    return np.concatenate(xs), np.concatenate(ys), np.concatenate(answers), [item.id for item in items]
 
 
 def _logistic_scores(weights: np.ndarray, bias: float, mean: np.ndarray, scale: np.ndarray,
@@ -108,14 +113,86 @@ def _settings(chosen: dict[str, Any], *left_out: str) -> dict[str, Any]:
     return {k: v for k, v in chosen.items() if k not in ("held_out_train_auroc", *left_out)}
 
 
+def compare(x: np.ndarray, y: np.ndarray, answers: np.ndarray, eval_x: np.ndarray, eval_y: np.ndarray,
+            eval_answers: np.ndarray) -> dict[str, Any]:
+    """Routers fitted on rows `x` with labels `y` (MLP settings chosen on `x`'s answers alone),
+    rated on `eval_x` with labels `eval_y`: each one's AUROC beside the fixed signals', and the
+    scalars + hidden MLP's gains with 95% intervals over the rated answers."""
+    labels = eval_y.astype(bool)
+    scalars = x[:, :SCALARS].astype(float)
+    found: dict[str, float] = {
+        "entropy": auroc(eval_x[:, FEATURES.index("entropy")], labels),
+        "1-top1": auroc(-eval_x[:, FEATURES.index("top1")], labels),
+        "-margin": auroc(-eval_x[:, FEATURES.index("margin")], labels),
+    }
+    logistic_scores = _logistic_scores(*fit_logistic(scalars, y), eval_x[:, :SCALARS])
+    found["logistic (scalars)"] = auroc(logistic_scores, labels)
+    scalar_fit = choose_fit(scalars, y, answers)
+    scalar_scores = forward(fit_mlp(scalars, y, **_settings(scalar_fit, "pca")), eval_x[:, :SCALARS])
+    found["mlp (scalars)"] = auroc(scalar_scores, labels)
+    hidden_fit = choose_fit(x.astype(float), y, answers, PCAS)
+    hidden_scores = forward(fit_projected(x.astype(float), y, **_settings(hidden_fit)), eval_x)
+    found["mlp (scalars + hidden)"] = auroc(hidden_scores, labels)
+    return {"auroc": found, "scores": {"logistic (scalars)": logistic_scores, "mlp (scalars + hidden)": hidden_scores},
+            "gain": {"over logistic (scalars)": auroc_gain(hidden_scores, logistic_scores, labels, eval_answers),
+                     "over mlp (scalars)": auroc_gain(hidden_scores, scalar_scores, labels, eval_answers)},
+            "settings": {"scalars": scalar_fit, "scalars + hidden": hidden_fit}}
+
+
+def divergent_labels(run_dir: Path, dataset: str, ids: list[str], y: np.ndarray,
+                     answers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(divergent label per row, which answers have them) from `python -m eval diverge`'s records,
+    aligned with the rows of `ids`' answers."""
+    found = {r["id"]: r["divergent"] for r in read_records(analysis_path(run_dir, dataset, "divergent"))}
+    labels = np.zeros(len(y))
+    labelled = np.zeros(len(ids), dtype=bool)
+    for index, answer_id in enumerate(ids):
+        if answer_id not in found:
+            continue
+        rows = np.flatnonzero(answers == index)
+        if len(found[answer_id]) != len(rows):
+            raise ValueError(f"{answer_id}: {len(found[answer_id])} divergent labels for {len(rows)} positions")
+        labels[rows] = [float(c == "1") for c in found[answer_id]]
+        labelled[index] = True
+    return labels, labelled
+
+
+def divergent_halves(x: np.ndarray, mismatch: np.ndarray, divergent: np.ndarray, answers: np.ndarray,
+                     rows: np.ndarray) -> dict[str, Any]:
+    """Each half of the labelled answers (even and odd dataset rows) rated by routers fitted on the
+    other half's divergent labels; also the same MLP fitted on the other half's mismatch labels,
+    and AUROC among mismatches alone (does a router tell the mismatches that change the answer
+    from those that only reword it?)."""
+    halves: dict[str, Any] = {}
+    for parity in (0, 1):
+        rated = rows[answers] % 2 == parity
+        fit_answers = np.unique(answers[~rated], return_inverse=True)[1]
+        rated_answers = answers[rated]
+        result = compare(x[~rated], divergent[~rated], fit_answers, x[rated], divergent[rated], rated_answers)
+        on_mismatch = fit_projected(x[~rated].astype(float), mismatch[~rated],
+                                    **_settings(result["settings"]["scalars + hidden"]))
+        labels = divergent[rated].astype(bool)
+        result["auroc"]["mlp (scalars + hidden) fitted on mismatch labels"] = auroc(forward(on_mismatch, x[rated]), labels)
+        among = mismatch[rated].astype(bool)
+        result["auroc among mismatches"] = {
+            "1-top1": auroc(-x[rated][among, FEATURES.index("top1")], labels[among]),
+            **{name: auroc(scores[among], labels[among]) for name, scores in result.pop("scores").items()}}
+        halves["odd rows" if parity else "even rows"] = {
+            "answers": int(len(np.unique(rated_answers))), "positions": int(rated.sum()),
+            "divergent_share": float(labels.mean()), "mismatches": int(among.sum()), **result}
+    return halves
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", default="gsm8k")
     parser.add_argument("--train-run", required=True)
     parser.add_argument("--train-data", type=Path, required=True, help="the dataset file the train run used")
     parser.add_argument("--train-rows", help="only these train rows (default all answered)")
-    parser.add_argument("--dev-run", required=True)
-    parser.add_argument("--dev-rows", required=True, help="held-out rows to report on, e.g. 0:100")
+    parser.add_argument("--label", choices=["mismatch", "divergent"], default="mismatch",
+                        help="divergent: `python -m eval diverge`'s labels, rated on halves of the labelled train answers")
+    parser.add_argument("--dev-run", help="(mismatch labels) the run whose held-out rows are reported on")
+    parser.add_argument("--dev-rows", help="(mismatch labels) held-out rows to report on, e.g. 0:100")
     parser.add_argument("--local", default=LOCAL)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--n-ctx", type=int, default=1024)
@@ -126,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-router", type=Path, action="append", default=[],
                         help="also score the dev rows with this logistic router file (fitted elsewhere)")
     args = parser.parse_args(argv)
+    if args.label == "mismatch" and not (args.dev_run and args.dev_rows):
+        parser.error("mismatch labels are reported on --dev-run's --dev-rows")
 
     started = time.monotonic()
     loaded: list[HiddenForcer] = []
@@ -135,52 +214,55 @@ def main(argv: list[str] | None = None) -> int:
             loaded.append(HiddenForcer.load(resolve_model(args.local), args.n_ctx, args.threads))
         return loaded[0]
 
+    train_dir = args.runs_dir / args.train_run
     try:
-        x, y, answers = rows_of(forcer, args.runs_dir / args.train_run, args.dataset, args.train_data,
-                                args.train_rows, args.cache)
-        dev_x, dev_y, dev_answers = rows_of(forcer, args.runs_dir / args.dev_run, args.dataset, None, args.dev_rows, args.cache)
+        x, y, answers, ids = rows_of(forcer, train_dir, args.dataset, args.train_data, args.train_rows, args.cache)
+        if args.label == "mismatch":
+            dev_x, dev_y, dev_answers, _ = rows_of(forcer, args.runs_dir / args.dev_run, args.dataset, None,
+                                                   args.dev_rows, args.cache)
     finally:
         for model in loaded:
             model.close()
     rows_s = time.monotonic() - started
-    dev_labels = dev_y.astype(bool)
-    found: dict[str, float] = {
-        "entropy": auroc(dev_x[:, FEATURES.index("entropy")], dev_labels),
-        "1-top1": auroc(-dev_x[:, FEATURES.index("top1")], dev_labels),
-        "-margin": auroc(-dev_x[:, FEATURES.index("margin")], dev_labels),
-    }
-    for path in args.baseline_router:
-        baseline = Router.load(path, model_sha256(args.local))
-        found[f"logistic {path.name}"] = auroc([baseline.score(row) for row in dev_x[:, :SCALARS].astype(float)],
-                                              dev_labels)
-    logistic = fit_logistic(x[:, :SCALARS].astype(float), y)
-    logistic_scores = _logistic_scores(*logistic, dev_x[:, :SCALARS])
-    found["logistic (scalars)"] = auroc(logistic_scores, dev_labels)
-    scalar_fit = choose_fit(x[:, :SCALARS].astype(float), y, answers)
-    scalar_mlp = fit_mlp(x[:, :SCALARS].astype(float), y, **_settings(scalar_fit, "pca"))
-    scalar_scores = forward(scalar_mlp, dev_x[:, :SCALARS])
-    found["mlp (scalars)"] = auroc(scalar_scores, dev_labels)
-    hidden_fit = choose_fit(x.astype(float), y, answers, PCAS)
     sha = model_sha256(args.local)
     command = "python -m eval.hidden_router " + " ".join(argv if argv is not None else sys.argv[1:])
-    router = train_mlp(x.astype(float), y, args.share, sha, {
-        "command": command, "labels": "mismatch (local greedy token != upstream token, teacher-forced)",
-        "fit": {"run": args.train_run, "rows": args.train_rows or "all answered", "answers": int(answers.max() + 1),
-                "positions": int(len(y)), **hidden_fit}}, **_settings(hidden_fit))
-    hidden_scores = np.array([router.score(row) for row in dev_x.astype(float)])
-    found["mlp (scalars + hidden)"] = auroc(hidden_scores, dev_labels)
-    gains = {"over logistic (scalars)": auroc_gain(hidden_scores, logistic_scores, dev_labels, dev_answers),
-             "over mlp (scalars)": auroc_gain(hidden_scores, scalar_scores, dev_labels, dev_answers)}
-    report = {"dataset": args.dataset, "local_model_sha256": sha, "label": "mismatch",
-              "train": {"run": args.train_run, "rows": args.train_rows, "answers": int(answers.max() + 1),
-                        "positions": int(len(y)), "mismatch_share": float(y.mean())},
-              "dev": {"run": args.dev_run, "rows": args.dev_rows, "positions": int(len(dev_y)),
-                      "mismatch_share": float(dev_y.mean())},
-              "dev_auroc": found, "mlp (scalars + hidden) dev_auroc_gain": gains, "mlp_settings": {"scalars": scalar_fit, "scalars + hidden": hidden_fit},
-              "rows_seconds": round(rows_s, 1), "command": command}
-    rows = args.dev_rows.replace(":", "-")
-    write_json(args.runs_dir / args.train_run / f"hidden_router_{args.dataset}_dev{rows}.json", report)
+    train = {"run": args.train_run, "rows": args.train_rows, "answers": len(ids), "positions": int(len(y)),
+             "mismatch_share": float(y.mean())}
+    if args.label == "divergent":
+        divergent, labelled = divergent_labels(train_dir, args.dataset, ids, y, answers)
+        keep = labelled[answers]
+        rows = np.array([int(i.rsplit("-", 1)[1]) for i in ids])
+        x, y, divergent = x[keep], y[keep], divergent[keep]
+        answers = np.unique(answers[keep], return_inverse=True)[1]
+        rows = rows[labelled]
+        train.update(answers=int(labelled.sum()), positions=int(len(y)), mismatch_share=float(y.mean()),
+                     divergent_share=float(divergent.mean()))
+        report = {"dataset": args.dataset, "local_model_sha256": sha, "label": "divergent", "train": train,
+                  "halves": divergent_halves(x, y, divergent, answers, rows)}
+        out, y = train_dir / f"hidden_router_{args.dataset}_divergent_halves.json", divergent
+    else:
+        result = compare(x, y, answers, dev_x, dev_y, dev_answers)
+        for path in args.baseline_router:
+            baseline = Router.load(path, sha)
+            result["auroc"][f"logistic {path.name}"] = auroc(
+                [baseline.score(row) for row in dev_x[:, :SCALARS].astype(float)], dev_y.astype(bool))
+        report = {"dataset": args.dataset, "local_model_sha256": sha, "label": "mismatch", "train": train,
+                  "dev": {"run": args.dev_run, "rows": args.dev_rows, "positions": int(len(dev_y)),
+                          "mismatch_share": float(dev_y.mean())},
+                  "dev_auroc": result["auroc"], "mlp (scalars + hidden) dev_auroc_gain": result["gain"],
+                  "mlp_settings": result["settings"]}
+        out = train_dir / f"hidden_router_{args.dataset}_dev{args.dev_rows.replace(':', '-')}.json"
+    report.update(rows_seconds=round(rows_s, 1), command=command)
+    write_json(out, report)
     if args.out_router:
+        hidden_fit = report["mlp_settings"]["scalars + hidden"] if args.label == "mismatch" \
+            else choose_fit(x.astype(float), y, answers, PCAS)  # on every labelled answer
+        labels = "mismatch (local greedy token != upstream token, teacher-forced)" if args.label == "mismatch" \
+            else "divergent (the local model's token changes the answer's prediction; R2R)"
+        router = train_mlp(x.astype(float), y, args.share, sha, {
+            "command": command, "labels": labels,
+            "fit": {"run": args.train_run, "rows": args.train_rows or "all answered", "answers": int(answers.max() + 1),
+                    "positions": int(len(y)), **hidden_fit}}, **_settings(hidden_fit))
         args.out_router.write_text(json.dumps(router.to_json()) + "\n")
     print(json.dumps(report, indent=1))
     return 0

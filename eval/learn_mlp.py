@@ -113,16 +113,21 @@ def fold(params: MlpParams, basis: Projection) -> MlpParams:
                      np.concatenate([params.scale[:SCALARS], np.ones(len(basis.mean))]))
 
 
+def fit_projected(x: np.ndarray, y: np.ndarray, pca: int | None = None, **fit: Any) -> MlpParams:
+    """`fit_mlp` on rows `x` (FEATURES then hidden state), the hidden state first projected on its
+    first `pca` principal directions if given; the parameters read whole rows either way."""
+    if not pca:
+        return fit_mlp(x, y, **fit)
+    basis = projection(x[:, SCALARS:], pca)
+    return fold(fit_mlp(reduce(x, basis), y, **fit), basis)
+
+
 def train_mlp(x: np.ndarray, y: np.ndarray, shares: Sequence[float], model_sha256: str, meta: dict[str, Any],
               pca: int | None = None, **fit: Any) -> MlpRouter:
     """An MLP router fitted on rows `x` (FEATURES then hidden state) and labels `y`, the hidden
     state projected on its first `pca` principal directions if given, with score thresholds that
     route each share of those rows."""
-    if pca:
-        basis = projection(x[:, SCALARS:], pca)
-        params = fold(fit_mlp(reduce(x, basis), y, **fit), basis)
-    else:
-        params = fit_mlp(x, y, **fit)
+    params = fit_projected(x, y, pca, **fit)
     router = MlpRouter(params.w1, params.b1, params.w2, params.b2, params.mean, params.scale, {}, model_sha256, meta)
     scores = forward(params, x)
     return replace(router, shares={float(s): float(np.quantile(scores, 1.0 - s)) for s in shares})

@@ -165,6 +165,45 @@ def test_the_comparison_fits_on_train_rows_reports_on_dev_rows_and_writes_a_rout
     assert isinstance(router, MlpRouter) and router.meta["fit"]["answers"] == 30 and set(router.shares) == {0.1, 0.5}
 
 
+def test_divergent_labels_are_rated_on_halves_of_the_labelled_train_answers(tmp_path):
+    from eval.hidden_router import main as compare_main
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"q{i}", "answer": "#### 1"}) + "\n" for i in range(30)))
+    runs, cache = tmp_path / "runs", tmp_path / "cache"
+    (runs / "train" / "analysis").mkdir(parents=True)
+    (runs / "train" / "gsm8k__upstream.jsonl").write_text(
+        "".join(json.dumps({"id": f"gsm8k-{i}", "tokens": [1, 2]}) + "\n" for i in range(30)))
+    (cache / "train").mkdir(parents=True)
+    labels = []
+    for i in range(30):
+        x, mismatch, _ = synthetic_steps(150, 100 + i)
+        np.savez(cache / "train" / f"gsm8k-gsm8k-{i}.npz", x=x.astype(np.float32), y=mismatch)
+        divergent = mismatch * (x[:, len(FEATURES) + 2] > 0)  # which mismatches diverge: only the hidden state says
+        if i < 20:  # ten answers are not labelled yet
+            labels.append({"id": f"gsm8k-{i}", "row": i, "divergent": "".join(str(int(v)) for v in divergent)})
+    (runs / "train" / "analysis" / "gsm8k.divergent.jsonl").write_text("".join(json.dumps(r) + "\n" for r in labels))
+    out = tmp_path / "mlp.json"
+    assert compare_main(["--label", "divergent", "--train-run", "train", "--train-data", str(data),
+                         "--runs-dir", str(runs), "--cache", str(cache), "--out-router", str(out),
+                         "--share", "0.1"]) == 0
+    report = json.loads((runs / "train" / "hidden_router_gsm8k_divergent_halves.json").read_text())
+    assert report["train"]["answers"] == 20 and report["train"]["positions"] == 3000
+    for half in ("even rows", "odd rows"):
+        rated = report["halves"][half]
+        assert rated["answers"] == 10 and rated["positions"] == 1500
+        among = rated["auroc among mismatches"]
+        assert among["mlp (scalars + hidden)"] > 0.8 and abs(among["1-top1"] - 0.5) < 0.15
+    router = Router.load(out, report["local_model_sha256"])
+    assert router.meta["labels"].startswith("divergent") and router.meta["fit"]["answers"] == 20
+
+    (runs / "train" / "analysis" / "gsm8k.divergent.jsonl").write_text(
+        json.dumps({"id": "gsm8k-0", "row": 0, "divergent": "01"}) + "\n")
+    with pytest.raises(ValueError, match="2 divergent labels for 150 positions"):
+        compare_main(["--label", "divergent", "--train-run", "train", "--train-data", str(data),
+                      "--runs-dir", str(runs), "--cache", str(cache)])
+
+
 def test_the_thresholds_command_refuses_an_mlp_router(trained, tmp_path, capsys):
     from eval.__main__ import main as eval_main
     from tests.fakes import synthetic
