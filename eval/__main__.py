@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     thresholds.add_argument("--fit-rows", required=True, help="rows to fit on, e.g. 100:200")
     thresholds.add_argument("--share", nargs="+", type=float, required=True, help="target upstream shares")
     thresholds.add_argument("--out", type=Path, required=True, help="the refitted router file")
+    thresholds.add_argument("--data", type=Path, help="(mlp routers) the dataset file the run answered")
+    thresholds.add_argument("--local", default=LOCAL, help="(mlp routers) the local model that teacher-forces")
+    thresholds.add_argument("--threads", type=int, default=1, help="(mlp routers) llama.cpp threads")
     thresholds.set_defaults(command=_thresholds)
 
     check = commands.add_parser("answer-check", help="fit an answer check on a run's local answers (which of them "
@@ -447,8 +450,26 @@ def analysed_model(records: list[dict[str, Any]], default: str) -> str:
 
 def _thresholds(args: argparse.Namespace) -> int:
     from eval.learn import with_thresholds
-    from eval.records import in_rows, read_records
     from policies.learned import Router
+
+    router = Router.load(args.router)
+    x, answers = (_local_hidden_rows if router.reads_hidden else _local_analysed_rows)(args, router)
+    meta = {"thresholds": {"command": f"python -m eval {shlex.join(sys.argv[1:])}", "dataset": args.dataset,
+                           "fit_rows": args.fit_rows, "answers": "local", "fit_answers": answers}}
+    refitted = with_thresholds(router, x, args.share, meta)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(refitted.to_json(), indent=1) + "\n")
+    for share, threshold in sorted(refitted.shares.items()):
+        was = router.shares.get(share)
+        print(f"share {share:g}: threshold {threshold:.4f}" + (f" (was {was:.4f})" if was is not None else ""))
+    print(f"router: {args.out}")
+    return 0
+
+
+def _local_analysed_rows(args: argparse.Namespace, router: Any) -> tuple[Any, int]:
+    """A logistic router's inputs along the local model's answers, from their analysis records."""
+    from eval.learn import matrix
+    from eval.records import in_rows, read_records
 
     path = analysis_path(args.runs_dir / args.run_name, args.dataset, "local")
     fit = in_rows(read_records(path), parse_rows(args.fit_rows))
@@ -458,21 +479,36 @@ def _thresholds(args: argparse.Namespace) -> int:
     if "top" not in fit[0]:
         raise ValueError(f"{path} has no top-k probabilities or token kinds: rerun `python -m eval analyze` "
                          "into a fresh run directory")
-    router = Router.load(args.router)
-    if router.reads_hidden:  # the analysis records hold no hidden states
-        raise ValueError(f"{args.router} is an mlp router: its thresholds are fitted by `python -m eval.hidden_router`")
     if analysed_model(fit, router.model_sha256) != router.model_sha256:
         raise ValueError(f"{args.router} was trained for another local model than the one that analysed {path}")
-    meta = {"thresholds": {"command": f"python -m eval {shlex.join(sys.argv[1:])}", "dataset": args.dataset,
-                           "fit_rows": args.fit_rows, "answers": "local", "fit_answers": len(fit)}}
-    refitted = with_thresholds(router, fit, args.share, meta)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(refitted.to_json(), indent=1) + "\n")
-    for share, threshold in sorted(refitted.shares.items()):
-        was = router.shares.get(share)
-        print(f"share {share:g}: threshold {threshold:.4f}" + (f" (was {was:.4f})" if was is not None else ""))
-    print(f"router: {args.out}")
-    return 0
+    return matrix(fit)[0], len(fit)
+
+
+def _local_hidden_rows(args: argparse.Namespace, router: Any) -> tuple[Any, int]:
+    """An MLP router's inputs (FEATURES and hidden state) along the local model's recorded answers,
+    teacher-forced again (eval/hidden_steps.py; cached like eval.hidden_router's rows)."""
+    from adapters.model_files import model_sha256, resolve_model
+    from eval.hidden_router import CACHE_DIR, rows_of
+    from eval.hidden_steps import HiddenForcer
+
+    if model_sha256(args.local) != router.model_sha256:
+        raise ValueError(f"{args.router} was trained for another local model than {args.local}")
+    loaded: list[HiddenForcer] = []
+
+    def forcer() -> HiddenForcer:
+        if not loaded:
+            loaded.append(HiddenForcer.load(resolve_model(args.local), 1024, args.threads))
+        return loaded[0]
+
+    try:
+        x, _, answers, ids = rows_of(forcer, args.runs_dir / args.run_name, args.dataset, args.data, args.fit_rows,
+                                     CACHE_DIR, config="local")
+    finally:
+        for model in loaded:
+            model.close()
+    if not ids:
+        raise ValueError(f"no local answers for rows {args.fit_rows} in run {args.run_name}")
+    return x, len(ids)
 
 
 def _answer_check(args: argparse.Namespace) -> int:

@@ -48,14 +48,16 @@ PCAS = (16, 64, None)  # hidden-state projections tried (None: the whole state)
 
 
 def rows_of(forcer: Callable[[], HiddenForcer], run_dir: Path, dataset: str, data: Path | None, rows: str | None,
-            cache: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+            cache: Path, config: str = "upstream") -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
     """(rows, mismatch labels, answer index, the answers' item ids) of every position of the run's
-    upstream answers, cached per answer (`forcer` is called only for answers not in the cache)."""
-    references = {r["id"]: r for r in read_records(records_path(run_dir, dataset, "upstream"))}
+    answers of `config` (the upstream's: mismatch labels; the local model's own: its live inputs),
+    cached per answer (`forcer` is called only for answers not in the cache)."""
+    references = {r["id"]: r for r in read_records(records_path(run_dir, dataset, config))}
     items = [item for item in load_items(dataset, data, rows) if item.id in references]
     xs, ys, answers = [], [], []
     for index, item in enumerate(items):
-        path = cache / run_dir.name / f"{dataset}-{item.id}.npz"
+        name = f"{dataset}-{item.id}.npz" if config == "upstream" else f"{dataset}-{config}-{item.id}.npz"
+        path = cache / run_dir.name / name
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             x, y = forcer().steps(item, references[item.id]["tokens"])

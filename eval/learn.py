@@ -73,11 +73,11 @@ def train(records: Sequence[dict[str, Any]], shares: Sequence[float], model_sha2
     return replace(router, shares=_share_thresholds(router, x, shares))
 
 
-def with_thresholds(router: Router, records: Sequence[dict[str, Any]], shares: Sequence[float],
+def with_thresholds(router: Router, x: np.ndarray, shares: Sequence[float],
                     meta: dict[str, Any] | None = None) -> Router:
-    """`router` with its score thresholds refitted so that each share of `records`' positions
-    scores above its threshold (`meta`, if given, is added to the router's)."""
-    x, _, _ = matrix(records)
+    """`router` with its score thresholds refitted so that each share of the rows `x` (what the
+    router reads at each position: `matrix(records)[0]`, or an MLP router's FEATURES and hidden
+    state) scores above its threshold (`meta`, if given, is added to the router's)."""
     return replace(router, shares=_share_thresholds(router, x, shares), meta={**router.meta, **(meta or {})})
 
 

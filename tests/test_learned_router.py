@@ -76,7 +76,7 @@ def test_thresholds_refitted_on_other_answers_route_their_share_of_them():
     x, _, _ = matrix(other)
     scores = np.array([router.score(row) for row in x])
     assert (scores > router.threshold_for_share(0.1)).mean() > 0.15
-    refitted = with_thresholds(router, other, [0.1, 0.3], {"thresholds": {"dataset": "other"}})
+    refitted = with_thresholds(router, matrix(other)[0], [0.1, 0.3], {"thresholds": {"dataset": "other"}})
     for share in (0.1, 0.3):
         assert (scores > refitted.threshold_for_share(share)).mean() == pytest.approx(share, abs=0.01)
     assert np.array_equal(refitted.weights, router.weights)

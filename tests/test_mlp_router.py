@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from tests.fakes import FakeLocalModel
 
 HIDDEN = 16
 FIT = {"units": 32, "epochs": 30, "learning_rate": 1e-2}
+LOCAL_MODEL = "qwen2.5-coder-0.5b-instruct"
 ROUTERS = Path(__file__).resolve().parent.parent / "routers"
 
 
@@ -204,21 +206,37 @@ def test_divergent_labels_are_rated_on_halves_of_the_labelled_train_answers(tmp_
                       "--runs-dir", str(runs), "--cache", str(cache)])
 
 
-def test_the_thresholds_command_refuses_an_mlp_router(trained, tmp_path, capsys):
+def test_an_mlp_routers_thresholds_are_refitted_on_the_local_models_own_answers(trained, tmp_path, monkeypatch):
+    import eval.hidden_router
+    from adapters.model_files import model_sha256
     from eval.__main__ import main as eval_main
-    from tests.fakes import synthetic
 
     router, *_ = trained
     source = tmp_path / "mlp.json"
-    source.write_text(json.dumps(router.to_json()))
-    analysis = tmp_path / "runs" / "r" / "analysis" / "gsm8k.local.jsonl"
-    analysis.parent.mkdir(parents=True)
-    analysis.write_text("".join(json.dumps({**record, "id": f"gsm8k-{row}", "row": row}) + "\n"
-                                for row, record in enumerate(synthetic(5, 3))))
-    assert eval_main(["thresholds", "--dataset", "gsm8k", "--run-name", "r", "--runs-dir", str(tmp_path / "runs"),
-                      "--router", str(source), "--share", "0.2", "--out", str(tmp_path / "out.json"),
-                      "--fit-rows", "0:5"]) == 2
-    assert "eval.hidden_router" in capsys.readouterr().err
+    source.write_text(json.dumps(dataclasses.replace(router, model_sha256=model_sha256(LOCAL_MODEL)).to_json()))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"q{i}", "answer": "#### 1"}) + "\n" for i in range(6)))
+    runs, cache = tmp_path / "runs", tmp_path / "cache"
+    (runs / "r").mkdir(parents=True)
+    (runs / "r" / "gsm8k__local.jsonl").write_text(
+        "".join(json.dumps({"id": f"gsm8k-{i}", "tokens": [1, 2]}) + "\n" for i in range(6)))
+    (cache / "r").mkdir(parents=True)
+    live = []
+    for i in range(6):  # the local answers, teacher-forced before: no model is loaded
+        x, y, _ = synthetic_steps(100, 50 + i)
+        x[:, len(FEATURES)] += 1.0  # the live distribution differs from the training rows'
+        np.savez(cache / "r" / f"gsm8k-local-gsm8k-{i}.npz", x=x.astype(np.float32), y=y)
+        live.append(x)
+    monkeypatch.setattr(eval.hidden_router, "CACHE_DIR", cache)
+    out = tmp_path / "refitted.json"
+    assert eval_main(["thresholds", "--dataset", "gsm8k", "--run-name", "r", "--runs-dir", str(runs),
+                      "--router", str(source), "--share", "0.2", "--out", str(out), "--data", str(data),
+                      "--fit-rows", "0:4"]) == 0
+    refitted = Router.load(out)
+    fitted_on = np.vstack(live[:4])
+    assert np.mean([refitted.score(row) > refitted.threshold_for_share(0.2) for row in fitted_on]) \
+        == pytest.approx(0.2, abs=0.01)
+    assert refitted.meta["thresholds"]["fit_answers"] == 4 and np.array_equal(refitted.w1, router.w1)
 
 
 def test_a_hidden_state_projected_for_training_folds_into_the_router_file():
