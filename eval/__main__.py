@@ -23,7 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from eval.datasets import DEFAULT_FILES, MAX_TOKENS, load_items, parse_rows
-from eval.records import analysis_path
+from eval.records import analysis_path, parse_source
 
 LOCAL, UPSTREAM = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
 RUNS_DIR = Path(__file__).resolve().parent.parent / "results" / "runs"  # records apart from the harness
@@ -519,7 +519,7 @@ def _answer_check(args: argparse.Namespace) -> int:
     from eval.analysis import auroc
     from eval.records import in_rows, read_records, records_path
 
-    sources = [(args.dataset, args.run_name, args.fit_rows), *(_source(spec) for spec in args.also)]
+    sources = [(args.dataset, args.run_name, args.fit_rows), *(parse_source(spec) for spec in args.also)]
     records, stats = [], {}
     for dataset, run, rows in sources:
         path = records_path(args.runs_dir / run, dataset, "local")
@@ -554,14 +554,6 @@ def _answer_stats(run_dir: Path, dataset: str, answers: str, records: list[dict[
 
     analysed = {a["id"]: a for a in read_records(analysis_path(run_dir, dataset, answers))} if at_tokens else {}
     return answer_stats(records, at_tokens, analysed)
-
-
-def _source(spec: str) -> tuple[str, str, str | None]:
-    """'DATASET,RUN[,ROWS]' -> (dataset, run, rows)."""
-    parts = spec.split(",")
-    if len(parts) not in (2, 3):
-        raise ValueError(f"--also {spec!r}: use DATASET,RUN or DATASET,RUN,ROWS")
-    return parts[0], parts[1], parts[2] if len(parts) == 3 else None
 
 
 def _afresh(args: argparse.Namespace) -> int:

@@ -25,3 +25,7 @@ for half in 0 1; do
     --learn "results/runs/gsm8k_train_hidden/router_divergent_half$half.json" \
     --out "results/runs/gsm8k_train_hidden/calibrated_half$half.yaml"
 done
+# 3. R2R's combination: divergent labels with the hidden state (eval.hidden_router's MLP beside the
+#    logistic router and an MLP on the scalars), each half rated by routers fitted on the other half
+.venv/bin/python -m eval.hidden_router --label divergent --dataset gsm8k --train-run gsm8k_train_hidden \
+  --train-data data/gsm8k_train7473.jsonl --train-rows "$ROWS" --threads 2

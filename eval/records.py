@@ -29,6 +29,14 @@ def analysis_path(run_dir: Path, dataset: str, answers: str = "upstream") -> Pat
     return run_dir / "analysis" / (f"{dataset}.jsonl" if answers == "upstream" else f"{dataset}.{answers}.jsonl")
 
 
+def parse_source(spec: str) -> tuple[str, str, str | None]:
+    """'DATASET,RUN[,ROWS]' (a run's answers to a dataset, optionally some rows) -> (dataset, run, rows)."""
+    parts = spec.split(",")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(f"{spec!r}: use DATASET,RUN or DATASET,RUN,ROWS")
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else None
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """Every complete record in `path` (none if it does not exist); the last per id wins."""
     if not path.exists():
