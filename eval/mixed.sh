@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One router for mixed traffic (docs/results.md, "One router for mixed traffic"): a logistic router
+# fitted on CommonsenseQA, GSM8K, IFEval and MBPP together, rated on each task's held-out rows beside
+# the task's own router, and on HumanEval, which it never saw; its thresholds fitted on the local
+# model's own answers (on-policy). GSM8K fits on its train split; the others on dev rows set aside.
+# Resumable: rerun to continue.   nohup nice -n 15 bash eval/mixed.sh > eval-mixed.log 2>&1 &
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+EVAL=".venv/bin/python -m eval"
+# MBPP (sanitized set, in task-id order): rows 264-306 are MBPP's validation problems (held out),
+# rows 307-426 its train problems (fit; the first MBPP_FIT of them)
+MBPP_HELD=264:307 MBPP_FIT=${MBPP_FIT:-307:367}
+for rows in "$MBPP_HELD" "$MBPP_FIT"; do
+  $EVAL run --dataset mbpp --rows "$rows" --run-name mixed_mbpp --configs upstream local --block 4 --threads 2
+done
+# the upstream's answers teacher-forced (mismatch labels), and the local model's own (what it reads live)
+$EVAL analyze --dataset mbpp --run-name mixed_mbpp --n-ctx 2048 --threads 2
+$EVAL analyze --dataset mbpp --run-name mixed_mbpp --answers local --n-ctx 2048 --threads 2
+$EVAL analyze --dataset ifeval --run-name learned_ifeval_task --rows 0:59 --n-ctx 2048 --threads 2
+$EVAL analyze --dataset ifeval --run-name learned_ifeval_task --answers local --rows 0:59 --n-ctx 2048 --threads 2
+$EVAL analyze --dataset humaneval --run-name learned_humaneval --n-ctx 2048 --threads 2
+$EVAL analyze --dataset humaneval --run-name learned_humaneval --answers local --n-ctx 2048 --threads 2
+$EVAL analyze --dataset csqa --run-name reference --answers local --threads 2
+
+.venv/bin/python -m eval.mixed_router --share 0.05 0.1 0.2 --out routers/mixed-qwen2.5-coder-0.5b.json \
+  --fit csqa,router,200:300 --fit gsm8k,gsm8k_train_hidden --fit ifeval,learned_ifeval_task,0:59:2 \
+  --fit mbpp,mixed_mbpp,"$MBPP_FIT" \
+  --held-out csqa,router,0:100 --held-out gsm8k,router,0:100 --held-out ifeval,learned_ifeval_task,1:59:2 \
+  --held-out mbpp,mixed_mbpp,"$MBPP_HELD" --held-out humaneval,learned_humaneval \
+  --live-fit csqa,reference,100:200 --live-fit gsm8k,gsm8k_train_local --live-fit ifeval,learned_ifeval,100:150 \
+  --live-fit mbpp,mixed_mbpp,"$MBPP_FIT" \
+  --live csqa,reference,0:100 --live gsm8k,learned_gsm8k,100:199 --live ifeval,learned_ifeval_task,1:59:2 \
+  --live mbpp,mixed_mbpp,"$MBPP_HELD" --live humaneval,learned_humaneval
