@@ -3,7 +3,6 @@ the kernel does not grant it), and decodes real tokens."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import os
 import platform
@@ -15,6 +14,9 @@ import pytest
 
 from scripts.cpu_flags import cmake_args, cpu_features
 
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_VERSION = next(line.split("==")[1].split()[0] for line in (ROOT / "requirements" / "llama.txt").read_text().splitlines()
+                     if line.startswith("llama-cpp-python=="))
 CPU = cpu_features(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").exists() else set()
 
 DECODE = """
@@ -31,8 +33,10 @@ def test_installed_build_was_made_with_the_flags_this_cpu_gets():
     if not stamp.exists() or os.environ.get("LLAMA_CMAKE_ARGS"):
         pytest.skip("llama-cpp-python was not built by scripts/setup.sh from detected flags")
     flags = cmake_args(CPU, platform.machine())
-    version = importlib.metadata.version("llama-cpp-python")
-    assert stamp.read_text().strip() == hashlib.sha256(f"{version} {flags} unity".encode()).hexdigest()[:16]
+    key = subprocess.run(["bash", str(ROOT / "scripts" / "build-llama-tools.sh"), "--key"], capture_output=True,
+                         text=True, check=True, env={**os.environ, "LLAMA_CMAKE_ARGS": flags}).stdout.strip()
+    assert stamp.read_text().strip() == key  # the build of these flags, at the pinned version and recipe
+    assert importlib.metadata.version("llama-cpp-python") == LLAMA_VERSION
     assert "AMX" not in flags
 
 
