@@ -141,12 +141,11 @@ def compare(x: np.ndarray, y: np.ndarray, answers: np.ndarray, eval_x: np.ndarra
             "settings": {"scalars": scalar_fit, "scalars + hidden": hidden_fit}}
 
 
-def divergent_labels(run_dir: Path, dataset: str, ids: list[str], y: np.ndarray,
-                     answers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def divergent_labels(run_dir: Path, dataset: str, ids: list[str], answers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(divergent label per row, which answers have them) from `python -m eval diverge`'s records,
     aligned with the rows of `ids`' answers."""
     found = {r["id"]: r["divergent"] for r in read_records(analysis_path(run_dir, dataset, "divergent"))}
-    labels = np.zeros(len(y))
+    labels = np.zeros(len(answers))
     labelled = np.zeros(len(ids), dtype=bool)
     for index, answer_id in enumerate(ids):
         if answer_id not in found:
@@ -231,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     train = {"run": args.train_run, "rows": args.train_rows, "answers": len(ids), "positions": int(len(y)),
              "mismatch_share": float(y.mean())}
     if args.label == "divergent":
-        divergent, labelled = divergent_labels(train_dir, args.dataset, ids, y, answers)
+        divergent, labelled = divergent_labels(train_dir, args.dataset, ids, answers)
         keep = labelled[answers]
         rows = np.array([int(i.rsplit("-", 1)[1]) for i in ids])
         x, y, divergent = x[keep], y[keep], divergent[keep]

@@ -32,3 +32,9 @@ $EVAL analyze --dataset csqa --run-name reference --answers local --threads 2
   --live-fit mbpp,mixed_mbpp,"$MBPP_FIT" \
   --live csqa,reference,0:100 --live gsm8k,learned_gsm8k,100:199 --live ifeval,learned_ifeval_task,1:59:2 \
   --live mbpp,mixed_mbpp,"$MBPP_HELD" --live humaneval,learned_humaneval
+
+# live: the mixed router at its on-policy 10% on CommonsenseQA rows 0-99 (nothing of it fitted there),
+# beside local and upstream-only decoded the same way on this machine
+$EVAL run --dataset csqa --rows 0:100 --run-name mixed_csqa --warm --block 10 --threads 2 \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --configs local upstream learned@0.1
+$EVAL report --dataset csqa --run-name mixed_csqa --paired
