@@ -11,6 +11,7 @@ EVAL=".venv/bin/python -m eval"
 # MBPP (sanitized set, in task-id order): rows 264-306 are MBPP's validation problems (held out),
 # rows 307-426 its train problems (fit; the first MBPP_FIT of them)
 MBPP_HELD=264:307 MBPP_FIT=${MBPP_FIT:-307:367}
+HUMANEVAL=${HUMANEVAL:-0:148:3}  # a third of the landed problems: HumanEval is only rated, never fitted
 for rows in "$MBPP_HELD" "$MBPP_FIT"; do
   $EVAL run --dataset mbpp --rows "$rows" --run-name mixed_mbpp --configs upstream local --block 4 --threads 2
 done
@@ -18,23 +19,23 @@ done
 $EVAL analyze --dataset mbpp --run-name mixed_mbpp --n-ctx 2048 --threads 2
 $EVAL analyze --dataset mbpp --run-name mixed_mbpp --answers local --n-ctx 2048 --threads 2
 $EVAL analyze --dataset ifeval --run-name learned_ifeval_task --rows 0:59 --n-ctx 2048 --threads 2
-$EVAL analyze --dataset ifeval --run-name learned_ifeval_task --answers local --rows 0:59 --n-ctx 2048 --threads 2
-$EVAL analyze --dataset humaneval --run-name learned_humaneval --n-ctx 2048 --threads 2
-$EVAL analyze --dataset humaneval --run-name learned_humaneval --answers local --n-ctx 2048 --threads 2
+$EVAL analyze --dataset ifeval --run-name learned_ifeval_task --answers local --rows 1:59:2 --n-ctx 2048 --threads 2
+$EVAL analyze --dataset humaneval --run-name learned_humaneval --rows "$HUMANEVAL" --n-ctx 2048 --threads 2
+$EVAL analyze --dataset humaneval --run-name learned_humaneval --answers local --rows "$HUMANEVAL" --n-ctx 2048 --threads 2
 $EVAL analyze --dataset csqa --run-name reference --answers local --threads 2
 
 .venv/bin/python -m eval.mixed_router --share 0.05 0.1 0.2 --out routers/mixed-qwen2.5-coder-0.5b.json \
   --fit csqa,router,200:300 --fit gsm8k,gsm8k_train_hidden --fit ifeval,learned_ifeval_task,0:59:2 \
   --fit mbpp,mixed_mbpp,"$MBPP_FIT" \
   --held-out csqa,router,0:100 --held-out gsm8k,router,0:100 --held-out ifeval,learned_ifeval_task,1:59:2 \
-  --held-out mbpp,mixed_mbpp,"$MBPP_HELD" --held-out humaneval,learned_humaneval \
+  --held-out mbpp,mixed_mbpp,"$MBPP_HELD" --held-out humaneval,learned_humaneval,"$HUMANEVAL" \
   --live-fit csqa,reference,100:200 --live-fit gsm8k,gsm8k_train_local --live-fit ifeval,learned_ifeval,100:150 \
   --live-fit mbpp,mixed_mbpp,"$MBPP_FIT" \
   --live csqa,reference,0:100 --live gsm8k,learned_gsm8k,100:199 --live ifeval,learned_ifeval_task,1:59:2 \
-  --live mbpp,mixed_mbpp,"$MBPP_HELD" --live humaneval,learned_humaneval
+  --live mbpp,mixed_mbpp,"$MBPP_HELD" --live humaneval,learned_humaneval,"$HUMANEVAL"
 
-# live: the mixed router at its on-policy 10% on CommonsenseQA rows 0-99 (nothing of it fitted there),
+# live: the mixed router at its on-policy 10% on CommonsenseQA rows 0-49 (nothing of it fitted there),
 # beside local and upstream-only decoded the same way on this machine
-$EVAL run --dataset csqa --rows 0:100 --run-name mixed_csqa --warm --block 10 --threads 2 \
+$EVAL run --dataset csqa --rows "${CSQA_LIVE:-0:50}" --run-name mixed_csqa --warm --block 10 --threads 2 \
   --router routers/mixed-qwen2.5-coder-0.5b.json --configs local upstream learned@0.1
 $EVAL report --dataset csqa --run-name mixed_csqa --paired
