@@ -36,7 +36,7 @@ from eval.analysis import auroc
 from eval.datasets import load_items
 from eval.hidden_steps import HiddenForcer
 from eval.learn import fit_logistic
-from eval.learn_mlp import SCALARS, MlpParams, fit_mlp, fit_projected, forward, projection, reduce, train_mlp
+from eval.learn_mlp import SCALARS, MlpParams, fit_mlp, fit_projected, forward, projection, reduce, router_of
 from eval.records import analysis_path, read_records, records_path, write_json
 from policies.learned import FEATURES, Router
 
@@ -119,7 +119,7 @@ def compare(x: np.ndarray, y: np.ndarray, answers: np.ndarray, eval_x: np.ndarra
             eval_answers: np.ndarray) -> dict[str, Any]:
     """Routers fitted on rows `x` with labels `y` (MLP settings chosen on `x`'s answers alone),
     rated on `eval_x` with labels `eval_y`: each one's AUROC beside the fixed signals', and the
-    scalars + hidden MLP's gains with 95% intervals over the rated answers."""
+    scalars + hidden MLP's gains with 95% intervals over the rated answers, and its fitted `params`."""
     labels = eval_y.astype(bool)
     scalars = x[:, :SCALARS].astype(float)
     found: dict[str, float] = {
@@ -133,9 +133,11 @@ def compare(x: np.ndarray, y: np.ndarray, answers: np.ndarray, eval_x: np.ndarra
     scalar_scores = forward(fit_mlp(scalars, y, **_settings(scalar_fit, "pca")), eval_x[:, :SCALARS])
     found["mlp (scalars)"] = auroc(scalar_scores, labels)
     hidden_fit = choose_fit(x.astype(float), y, answers, PCAS)
-    hidden_scores = forward(fit_projected(x.astype(float), y, **_settings(hidden_fit)), eval_x)
+    hidden_params = fit_projected(x.astype(float), y, **_settings(hidden_fit))
+    hidden_scores = forward(hidden_params, eval_x)
     found["mlp (scalars + hidden)"] = auroc(hidden_scores, labels)
     return {"auroc": found, "scores": {"logistic (scalars)": logistic_scores, "mlp (scalars + hidden)": hidden_scores},
+            "params": hidden_params,
             "gain": {"over logistic (scalars)": auroc_gain(hidden_scores, logistic_scores, labels, eval_answers),
                      "over mlp (scalars)": auroc_gain(hidden_scores, scalar_scores, labels, eval_answers)},
             "settings": {"scalars": scalar_fit, "scalars + hidden": hidden_fit}}
@@ -170,6 +172,7 @@ def divergent_halves(x: np.ndarray, mismatch: np.ndarray, divergent: np.ndarray,
         fit_answers = np.unique(answers[~rated], return_inverse=True)[1]
         rated_answers = answers[rated]
         result = compare(x[~rated], divergent[~rated], fit_answers, x[rated], divergent[rated], rated_answers)
+        del result["params"]  # the report keeps numbers, not fitted weights
         on_mismatch = fit_projected(x[~rated].astype(float), mismatch[~rated],
                                     **_settings(result["settings"]["scalars + hidden"]))
         labels = divergent[rated].astype(bool)
@@ -256,14 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     report.update(rows_seconds=round(rows_s, 1), command=command)
     write_json(out, report)
     if args.out_router:
-        hidden_fit = report["mlp_settings"]["scalars + hidden"] if args.label == "mismatch" \
-            else choose_fit(x.astype(float), y, answers, PCAS)  # on every labelled answer
+        if args.label == "mismatch":  # compare fitted it on these rows already
+            hidden_fit, params = report["mlp_settings"]["scalars + hidden"], result["params"]
+        else:  # on every labelled answer
+            hidden_fit = choose_fit(x.astype(float), y, answers, PCAS)
+            params = fit_projected(x.astype(float), y, **_settings(hidden_fit))
         labels = "mismatch (local greedy token != upstream token, teacher-forced)" if args.label == "mismatch" \
             else "divergent (the local model's token changes the answer's prediction; R2R)"
-        router = train_mlp(x.astype(float), y, args.share, sha, {
+        router = router_of(params, x.astype(float), args.share, sha, {
             "command": command, "labels": labels,
             "fit": {"run": args.train_run, "rows": args.train_rows or "all answered", "answers": int(answers.max() + 1),
-                    "positions": int(len(y)), **hidden_fit}}, **_settings(hidden_fit))
+                    "positions": int(len(y)), **hidden_fit}})
         args.out_router.write_text(json.dumps(router.to_json()) + "\n")
     print(json.dumps(report, indent=1))
     return 0

@@ -127,7 +127,12 @@ def train_mlp(x: np.ndarray, y: np.ndarray, shares: Sequence[float], model_sha25
     """An MLP router fitted on rows `x` (FEATURES then hidden state) and labels `y`, the hidden
     state projected on its first `pca` principal directions if given, with score thresholds that
     route each share of those rows."""
-    params = fit_projected(x, y, pca, **fit)
+    return router_of(fit_projected(x, y, pca, **fit), x, shares, model_sha256, meta)
+
+
+def router_of(params: MlpParams, x: np.ndarray, shares: Sequence[float], model_sha256: str, meta: dict[str, Any]
+              ) -> MlpRouter:
+    """The MLP router with `params`, its score thresholds routing each share of rows `x`."""
     router = MlpRouter(params.w1, params.b1, params.w2, params.b2, params.mean, params.scale, {}, model_sha256, meta)
     scores = forward(params, x)
     return replace(router, shares={float(s): float(np.quantile(scores, 1.0 - s)) for s in shares})
