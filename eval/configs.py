@@ -8,6 +8,8 @@
     entropy@T, top1@T, margin@T, target_fraction@F
                           token-level routing with the gateway's own policies, span 1, no caps
     learned@S             the learned router (--router) at its threshold fitted for share S
+    learned@S,from=traffic
+                          ... at the S quantile of its recent scores on the config's own items
     first@K               route the first K answer tokens only
     ...,span=N,until=R    the same with up to N upstream tokens per hand-off, cut at the first
                           word / line / sentence boundary when R is given (gateway/decoding/spans.py)
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from policies import THRESHOLD_POLICIES, EntropyWindow, Policy, Router, build_policy
+from policies import THRESHOLD_POLICIES, Policy, Router, SharedWindows, build_policy
 
 ROUTED = (*THRESHOLD_POLICIES, "target_fraction", "learned", "first")
 SPAN_RULES = ("tokens", "word", "line", "sentence")
@@ -46,9 +48,10 @@ class ConfigSpec:
     max_cost_ratio: float | None = None
     on_ceiling: str = "local"
     escalate_below: float | None = None  # the answer check's bar (afresh=P)
-    # target_fraction's window of recent entropies, shared by all items of the config as the
-    # gateway shares it by all requests of an alias
-    window: EntropyWindow = field(default_factory=EntropyWindow, compare=False, repr=False)
+    threshold_from: str = "router"  # learned: the router's fitted threshold, or traffic's (from=traffic)
+    # the recent values thresholds calibrate on, shared by all items of the config as the gateway
+    # shares them by all requests of a tenant on an alias
+    windows: SharedWindows = field(default_factory=SharedWindows, compare=False, repr=False)
 
     @property
     def uses_upstream(self) -> bool:
@@ -69,12 +72,13 @@ class ConfigSpec:
         if self.policy == "oracle":
             raise ValueError("the oracle needs the item's reference; see eval.oracle")
         if self.policy == "target_fraction":
-            return build_policy("target_fraction", target_fraction=self.value, window=self.window,
+            return build_policy("target_fraction", target_fraction=self.value, windows=self.windows,
                                 answer_value=self.answer_value)
         if self.policy == "learned":
             if router is None:
                 raise ValueError(f"config {self.name} needs a router: pass --router")
-            return build_policy("learned", target_fraction=self.value, router=router, answer_value=self.answer_value)
+            return build_policy("learned", target_fraction=self.value, router=router, windows=self.windows,
+                                threshold_from=self.threshold_from, answer_value=self.answer_value)
         return build_policy(self.policy, threshold=self.value, answer_value=self.answer_value)
 
 
@@ -94,14 +98,17 @@ def parse_config(text: str) -> ConfigSpec:
     if policy in ("target_fraction", "learned") and not 0 < number <= 1:
         raise ValueError(f"bad config {text!r}: a target share is in (0, 1]")
     given = dict(option.partition("=")[::2] for option in options)
-    if set(given) - {"span", "until", "value", "ceiling", "on", "afresh"} or given.get("until", "tokens") not in SPAN_RULES \
-            or given.get("on", "local") not in ("local", "escalate"):
+    if set(given) - {"span", "until", "value", "ceiling", "on", "afresh", "from"} \
+            or given.get("until", "tokens") not in SPAN_RULES or given.get("on", "local") not in ("local", "escalate") \
+            or given.get("from", "router") not in ("router", "traffic") or ("from" in given and policy != "learned"):
         raise ValueError(f"bad config {text!r}: options are span=<tokens>, until=<{'|'.join(SPAN_RULES)}>, "
-                         "value=<answer value>, ceiling=<cost ratio>, on=<local|escalate> and afresh=<P>")
+                         "value=<answer value>, ceiling=<cost ratio>, on=<local|escalate>, afresh=<P> and "
+                         "(learned only) from=<router|traffic>")
     value, ceiling = given.get("value"), given.get("ceiling")
     return ConfigSpec(text, policy, number, int(given.get("span", 1)), given.get("until", "tokens"),
                       None if value is None else float(value), None if ceiling is None else float(ceiling),
-                      given.get("on", "local"), _afresh(text, "afresh=" + given["afresh"]) if "afresh" in given else None)
+                      given.get("on", "local"), _afresh(text, "afresh=" + given["afresh"]) if "afresh" in given else None,
+                      given.get("from", "router"))
 
 
 def _afresh(text: str, option: str) -> float:

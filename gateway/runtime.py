@@ -19,7 +19,7 @@ from adapters.vocabulary import Vocabulary
 from gateway.admission.budget import Ledger
 from gateway.admission.tenants import TenantDirectory
 from gateway.settings import AliasSettings, Settings, UpstreamSettings
-from policies import EntropyWindow, Router
+from policies import Router, SharedWindows
 from policies.answer_check import AnswerCheck
 
 log = logging.getLogger("gateway.runtime")
@@ -35,19 +35,17 @@ class Alias:
     settings: AliasSettings
     router: Router | None = None  # the learned policy's router, trained for this alias's local model
     answer_check: AnswerCheck | None = None  # rates finished answers (escalate_below), fitted for its local model
-    # target_fraction's windows of recent entropies, one per tenant: shared by a tenant's requests
-    # whatever their target (the entropies do not depend on it), never by two tenants, whose
-    # traffic would otherwise move each other's thresholds
-    entropy_windows: dict[str, EntropyWindow] = field(default_factory=dict)
+    # the recent values that thresholds calibrate on (policies.window), one set per tenant
+    tenant_windows: dict[str, SharedWindows] = field(default_factory=dict)
     continuations: Continuations | None = None  # what the decoder hands off to: the upstream, metered
 
     def __post_init__(self) -> None:
         if self.continuations is None:
             object.__setattr__(self, "continuations", self.upstream)
 
-    def entropy_window(self, tenant: str) -> EntropyWindow:
-        """`tenant`'s window of recent entropies on this alias (tenants are configured: bounded)."""
-        return self.entropy_windows.setdefault(tenant, EntropyWindow())
+    def windows(self, tenant: str) -> SharedWindows:
+        """`tenant`'s windows of recent values on this alias (tenants are configured: bounded)."""
+        return self.tenant_windows.setdefault(tenant, SharedWindows())
 
 
 @dataclass

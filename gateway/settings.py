@@ -60,6 +60,13 @@ class LocalModelSettings(Strict):
         "greedy token next; a guess that was not taken is dropped. Off: each step waits for its request.")
 
 
+ThresholdSource = Literal["router", "traffic"]
+THRESHOLD_FROM_HELP = (
+    "learned with target_fraction: where the score threshold comes from. router: the one the router file fitted "
+    "for that share (on its fit rows' text); traffic: the share's quantile of the router's recent scores on this "
+    "tenant's requests to this alias, so the share holds on traffic unlike the fit rows (mixed tasks, a new task).")
+
+
 class RoutingSettings(Strict):
     policy: PolicyName = Field("entropy", description="Routing policy (see README, 'Routing').")
     threshold: float | None = Field(
@@ -68,6 +75,7 @@ class RoutingSettings(Strict):
     target_fraction: float | None = Field(
         None, gt=0, le=1, description="Share of answer tokens to route upstream (target_fraction; learned: the "
         "router's threshold fitted for that share).")
+    threshold_from: ThresholdSource = Field("router", description=THRESHOLD_FROM_HELP)
     router: str | None = Field(
         None, description="Router file of the learned policy (python -m eval calibrate --learn), trained for this "
         "alias's local model; requests and tenants may choose policy learned only where the alias has one.")
@@ -131,6 +139,7 @@ class RoutingOverride(Strict):
     policy: PolicyName | None = Field(None, description="Routing policy.")
     threshold: float | None = Field(None, gt=-1e6, lt=1e6, description="The policy's threshold.")
     target_fraction: float | None = Field(None, gt=0, le=1, description="Share for target_fraction.")
+    threshold_from: ThresholdSource | None = Field(None, description=THRESHOLD_FROM_HELP)
     max_upstream_tokens: int | None = Field(None, ge=0, description="Cap on upstream answer tokens per request.")
     max_upstream_share: float | None = Field(None, ge=0, le=1, description="Cap on the upstream share of the answer.")
     span: int | None = Field(None, ge=1, le=64, description="Most tokens the upstream writes per hand-off.")

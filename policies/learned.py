@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from policies.base import LOCAL, UPSTREAM, Decision, PolicyDefaults, Route, RoutingState, Signal
+from policies.window import RecentValues
 
 if TYPE_CHECKING:
     from policies.mlp_router import MlpRouter
@@ -175,6 +176,37 @@ class LearnedAbove(PolicyDefaults):
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
         score = self.router.score_signal(signal)
         return Decision(Route.UPSTREAM, need=score) if score > self.threshold else LOCAL
+
+
+@dataclass
+class LearnedShare(PolicyDefaults):
+    """Route the `target` share of steps that the router scores highest on live traffic.
+
+    The threshold is the (1 - target) quantile of the router's scores in `window` (shared by a
+    tenant's requests on an alias), not the one fitted for `target` on the router's fit rows: a
+    router fitted on one kind of text routes another kind's steps at a different rate (more where
+    the local model is less sure of itself overall), and a share fitted on the upstream's text is
+    not the share of the local model's own. Until the window holds `min_history` scores, the
+    router's fitted threshold (`fallback`) decides. Which steps rank highest is the router's
+    choice either way; only how many of them go upstream follows the traffic."""
+
+    router: "Router | MlpRouter"
+    target: float
+    window: RecentValues
+    fallback: float
+    min_history: int = 32
+    name: str = "learned"
+    detailed_signal = True
+
+    @property
+    def reads_hidden(self) -> bool:
+        return self.router.reads_hidden
+
+    def decide(self, signal: Signal, state: RoutingState) -> Decision:
+        score = self.router.score_signal(signal)
+        self.window.add(score)
+        threshold = self.window.quantile(1.0 - self.target) if len(self.window) >= self.min_history else self.fallback
+        return Decision(Route.UPSTREAM, need=score) if score > threshold else LOCAL
 
 
 @dataclass

@@ -2,30 +2,10 @@
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from policies.base import LOCAL, UPSTREAM, Decision, PolicyDefaults, RoutingState, Signal
-
-
-class EntropyWindow:
-    """The most recent step entropies of the requests that calibrate one threshold together (the
-    gateway keeps one per tenant and alias): the one state a policy carries across requests,
-    owned by the caller and handed to each policy it builds."""
-
-    def __init__(self, size: int = 256) -> None:
-        self._entropies: deque[float] = deque(maxlen=size)
-
-    def add(self, entropy: float) -> None:
-        self._entropies.append(entropy)
-
-    def __len__(self) -> int:
-        return len(self._entropies)
-
-    def quantile(self, q: float) -> float:
-        return float(np.quantile(np.fromiter(self._entropies, float), q))
+from policies.window import RecentValues
 
 
 @dataclass
@@ -42,7 +22,7 @@ class TargetFraction(PolicyDefaults):
     """
 
     target: float
-    window: EntropyWindow = field(default_factory=EntropyWindow, repr=False)
+    window: RecentValues = field(default_factory=RecentValues, repr=False)
     slack: float = 1.0
     min_history: int = 16
     name: str = "target_fraction"

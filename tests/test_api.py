@@ -93,6 +93,13 @@ def test_learned_policy_serves_its_router_and_refuses_a_share_it_was_not_fitted_
     with pytest.raises(openai.BadRequestError) as caught:
         ask(client, model="learned", extra_body={"routing": {"target_fraction": 0.9}})
     assert caught.value.body["param"] == "routing.target_fraction" and "0.1, 0.2" in caught.value.body["message"]
+    # a threshold taken from traffic serves any share
+    answer = ask(client, model="learned", max_tokens=8,
+                 extra_body={"routing": {"target_fraction": 0.9, "threshold_from": "traffic"}})
+    assert routing_of(answer.usage)["policy"] == "learned"
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(client, model="learned", extra_body={"routing": {"threshold_from": "fit rows"}})
+    assert caught.value.body["param"] == "routing.threshold_from"
 
 
 def test_logprobs_from_the_local_model(client):

@@ -146,16 +146,16 @@ def test_target_fraction_windows_are_per_tenant():
     from gateway.runtime import Alias
 
     alias = Alias("a", local=None, upstream=None, settings=None)
-    noisy, quiet = (build_policy("target_fraction", target_fraction=0.1, window=alias.entropy_window(t))
+    noisy, quiet = (build_policy("target_fraction", target_fraction=0.1, windows=alias.windows(t))
                     for t in ("noisy", "quiet"))
     for position in range(64):  # one tenant's answers are all uncertain
         noisy.decide(Signal(5.0, 0.1, 0.0, position), RoutingState(answer_tokens=position, upstream_tokens=position))
-    assert len(alias.entropy_window("noisy")) == 64 and not alias.entropy_window("quiet")
-    assert alias.entropy_window("noisy") is not alias.entropy_window("quiet")
+    assert len(alias.windows("noisy").entropies) == 64 and not alias.windows("quiet").entropies
+    assert alias.windows("noisy") is not alias.windows("quiet")
     # the quiet tenant's step, above the noisy tenant's threshold (5.0), is judged on its own window
     decision = quiet.decide(Signal(6.0, 0.1, 0.0, 0), RoutingState())
     assert not decision.upstream
-    assert len(alias.entropy_window("quiet")) == 1
+    assert len(alias.windows("quiet").entropies) == 1
 
 
 def run(coro):

@@ -9,14 +9,15 @@ import pytest
 
 from adapters.store import Limits, MemoryStore
 from eval.__main__ import main as eval_main
-from eval.learn import compare, matrix, train, with_thresholds
+from eval.analysis import steps
+from eval.learn import compare, matrix, step_signal, train, with_thresholds
 from gateway.admission.budget import HandoffGate, Ledger
 from gateway.admission.chat import resolve_routing
 from gateway.api.errors import InvalidRequest
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import signal_of, token_kind
 from gateway.settings import RoutingOverride, RoutingSettings
-from policies import LOCAL, UPSTREAM, RoutingState, build_policy
+from policies import LOCAL, UPSTREAM, RecentValues, RoutingState, SharedWindows, build_policy
 from policies.base import PolicyDefaults
 from policies.learned import FEATURES, Router, RouterError, features
 from tests.fakes import FakeLocalModel, synthetic
@@ -81,6 +82,38 @@ def test_thresholds_refitted_on_other_answers_route_their_share_of_them():
         assert (scores > refitted.threshold_for_share(share)).mean() == pytest.approx(share, abs=0.01)
     assert np.array_equal(refitted.weights, router.weights)
     assert refitted.meta == {"command": "train", "thresholds": {"dataset": "other"}}
+
+
+def test_a_threshold_taken_from_traffic_holds_the_share_where_the_fitted_one_does_not():
+    router = train(synthetic(300, 0), [0.1, 0.3], "sha", {})
+    other = synthetic(200, 2)
+    for record in other:  # another task: less certain text, where the fitted threshold over-routes
+        record["entropy"] = [e + 1.0 for e in record["entropy"]]
+    windows, routed = SharedWindows(), {"router": [], "traffic": []}
+    for record in other:  # a fresh policy per answer, as the gateway builds one per request
+        policies = {source: build_policy("learned", target_fraction=0.1, router=router, windows=windows,
+                                         threshold_from=source) for source in routed}
+        for step in steps([record]):
+            for source, policy in policies.items():
+                routed[source].append(policy.decide(step_signal(step), RoutingState()).upstream)
+    assert np.mean(routed["router"]) > 0.15
+    assert np.mean(routed["traffic"]) == pytest.approx(0.1, abs=0.01)
+    fitted = routed["router"]
+    # until the window holds enough scores the fitted threshold decides; then only the quantile moves
+    assert routed["traffic"][:31] == fitted[:31]
+    scores = np.array([router.score(row) for row in matrix(other)[0]])
+    assert scores[np.array(routed["traffic"])].min() > np.quantile(scores, 0.8)
+
+
+def test_recent_values_keep_the_quantiles_of_the_newest_values():
+    rng = np.random.default_rng(5)
+    window, values = RecentValues(size=50), rng.normal(size=300)
+    for count, value in enumerate(values, 1):
+        window.add(float(value))
+        newest = values[max(0, count - 50):count]
+        assert len(window) == len(newest)
+        for q in (0.0, 0.37, 0.9, 1.0):
+            assert window.quantile(q) == pytest.approx(np.quantile(newest, q))
 
 
 def test_thresholds_command_refits_a_router_file_on_the_local_answers_of_its_rows(tmp_path, capsys):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies import EntropyWindow, Route, RoutingState, Signal, build_policy
+from policies import Route, RoutingState, SharedWindows, Signal, build_policy
 
 
 def signal(entropy: float = 1.0, top1: float = 0.5, margin: float = 0.2, position: int = 0) -> Signal:
@@ -108,10 +108,10 @@ def test_target_fraction_tracks_target_through_a_level_shift(target):
 def test_target_fraction_holds_over_many_short_answers_with_a_shared_window(target):
     """Short answers (CommonsenseQA-like, 6 tokens) each get a fresh policy but share the window."""
     rng = np.random.default_rng(3)
-    window = EntropyWindow()
+    windows = SharedWindows()
     routed = total = 0
     for _ in range(300):
-        policy = build_policy("target_fraction", target_fraction=target, window=window)
+        policy = build_policy("target_fraction", target_fraction=target, windows=windows)
         upstream = 0
         for position, value in enumerate(rng.gamma(2.0, 0.6, size=6)):
             state = RoutingState(answer_tokens=position, upstream_tokens=upstream)

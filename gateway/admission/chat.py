@@ -173,7 +173,8 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | Com
     try:
         policy = build_policy(routing.policy, routing.threshold, routing.target_fraction,
                               routing.max_upstream_tokens, routing.max_upstream_share, routing.max_upstream_calls,
-                              window=alias.entropy_window(gate.tenant), router=alias.router,
+                              windows=alias.windows(gate.tenant), router=alias.router,
+                              threshold_from=routing.threshold_from,
                               answer_value=routing.answer_value, early_escalation=routing.early_escalation)
     except RouterError as exc:  # a target_fraction outside the shares the router was fitted for
         raise InvalidRequest(str(exc), param="routing.target_fraction") from exc
