@@ -14,12 +14,15 @@ its --fit rows alone, where it has some) and of top-1. For each --live task: the
 router routes there at thresholds fitted on the --live-fit answers of every task together
 (on-policy, one threshold for all traffic), beside the task's own on-policy thresholds where it
 has --live-fit answers. The mixed router, with its on-policy thresholds when --live-fit is
-given, is written to --out.
+given, is written to --out. Also for each --live task: the share routed with the threshold taken
+from traffic (`threshold_from: traffic`, the quantile of recent scores), on the task's answers
+alone and on all --live tasks' answers interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Sequence
@@ -29,14 +32,16 @@ from typing import Any
 import numpy as np
 
 from adapters.model_files import model_sha256
-from eval.analysis import auroc
+from eval.analysis import auroc, steps
 from eval.datasets import parse_rows
-from eval.learn import matrix, train, with_thresholds
+from eval.learn import matrix, step_signal, train, with_thresholds
 from eval.records import analysis_path, in_rows, parse_source, read_records, write_json
+from policies import RoutingState, SharedWindows, build_policy
 from policies.learned import FEATURES, Router
 
 RUNS_DIR = Path(__file__).resolve().parent.parent / "results" / "runs"
 LOCAL = "qwen2.5-coder-0.5b-instruct"
+TASK_TRAFFIC, MIXED_TRAFFIC = "share (from the task's traffic)", "share (from mixed traffic)"
 
 
 def load(specs: Sequence[str], runs_dir: Path, answers: str) -> dict[str, list[dict[str, Any]]]:
@@ -80,17 +85,37 @@ def held_out_report(mixed: Router, own: dict[str, Router], held: dict[str, list[
 
 def live_report(on_policy: Router, live_fit: dict[str, list[dict[str, Any]]], live: dict[str, list[dict[str, Any]]],
                 shares: Sequence[float]) -> dict[str, Any]:
-    """For each live task: the share `on_policy` routes on its local answers, and the share at
-    thresholds fitted on that task's own --live-fit answers alone (where it has some)."""
+    """For each live task: the share `on_policy` routes on its local answers, the share at
+    thresholds fitted on that task's own --live-fit answers alone (where it has some), and the
+    share with the threshold taken from traffic: the task's answers alone, and all live tasks'
+    answers arriving interleaved through one window."""
     report = {}
+    mixed = {share: traffic_shares(on_policy, live, share) for share in shares}
     for task, records in live.items():
         scores = _scores(on_policy, records)[0]
         found = {"answers": len(records), "positions": int(len(scores)), "share (one threshold)": _shares(scores, on_policy)}
         if task in live_fit:
             own = with_thresholds(on_policy, matrix(live_fit[task])[0], shares)
             found["share (the task's own thresholds)"] = _shares(scores, own)
+        found[TASK_TRAFFIC] = {f"{s:g}": traffic_shares(on_policy, {task: records}, s)[task]
+                                                    for s in shares}
+        found[MIXED_TRAFFIC] = {f"{s:g}": mixed[s][task] for s in shares}
         report[task] = found
     return report
+
+
+def traffic_shares(router: Router, tasks: dict[str, list[dict[str, Any]]], share: float) -> dict[str, float]:
+    """The share of each task's positions that `learned` with its threshold taken from traffic
+    routes when the tasks' answers arrive interleaved (one of each in turn) through one window, a
+    fresh policy per answer as the gateway builds one per request. Teacher-forced: a routed step
+    does not change the text after it, as it would live."""
+    windows, routed = SharedWindows(), {task: [] for task in tasks}
+    for turn in itertools.zip_longest(*([(task, r) for r in records] for task, records in tasks.items())):
+        for task, record in filter(None, turn):
+            policy = build_policy("learned", target_fraction=share, router=router, windows=windows,
+                                  threshold_from="traffic")
+            routed[task] += [policy.decide(step_signal(step), RoutingState()).upstream for step in steps([record])]
+    return {task: float(np.mean(decisions)) for task, decisions in routed.items()}
 
 
 def table(report: dict[str, Any]) -> str:
@@ -102,12 +127,14 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"| {task} | {row['answers']} | {row['positions']} | {row['mismatch_share']:.1%} "
                      f"| {found['mixed']:.4f} | {own} | {found['1-top1']:.4f} |")
     if report["live"]:
-        lines += ["", "| live task | answers | target share | one threshold | the task's own thresholds |", "|---|---|---|---|---|"]
+        lines += ["", "| live task | answers | target share | one threshold | the task's own thresholds "
+                  "| from the task's traffic | from mixed traffic |", "|---|---|---|---|---|---|---|"]
         for task, row in report["live"].items():
             for share, reached in row["share (one threshold)"].items():
                 own = row.get("share (the task's own thresholds)", {}).get(share)
                 lines.append(f"| {task} | {row['answers']} | {share} | {reached:.1%} | "
-                             + (f"{own:.1%} |" if own is not None else "- |"))
+                             + (f"{own:.1%}" if own is not None else "-")
+                             + f" | {row[TASK_TRAFFIC][share]:.1%} | {row[MIXED_TRAFFIC][share]:.1%} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,5 +1,5 @@
 """One router for mixed traffic (eval/mixed_router.py): fitted on several tasks, rated per task, with
-on-policy thresholds shared by all traffic or fitted per task."""
+on-policy thresholds shared by all traffic or fitted per task, or taken from traffic."""
 
 from __future__ import annotations
 
@@ -51,6 +51,11 @@ def test_the_mixed_router_is_rated_per_task_and_its_live_shares_checked(runs, tm
     assert (one["gsm8k"] + one["csqa"]) / 2 == pytest.approx(0.2, abs=0.05)  # the pool routes its target
     for task in live:  # each task's own on-policy thresholds hold on its other answers
         assert live[task]["share (the task's own thresholds)"]["0.2"] == pytest.approx(0.2, abs=0.05)
+    for task in live:  # a threshold taken from the task's own traffic holds without refitting
+        assert live[task]["share (from the task's traffic)"]["0.2"] == pytest.approx(0.2, abs=0.05)
+    # from the mixed traffic through one window: the mix routes its target, the hotter task more of it
+    mixed = {task: live[task]["share (from mixed traffic)"]["0.2"] for task in live}
+    assert mixed["gsm8k"] > mixed["csqa"] and (mixed["gsm8k"] + mixed["csqa"]) / 2 == pytest.approx(0.2, abs=0.03)
     router = Router.load(out)
     assert router.meta["thresholds"]["fitted_on"] == {"csqa": 40, "gsm8k": 40}
     assert router.meta["fitted_on"] == {"csqa": 40, "gsm8k": 40}
