@@ -40,3 +40,10 @@ $EVAL analyze --dataset csqa --run-name reference --answers local --threads 2
 $EVAL run --dataset csqa --rows "${CSQA_LIVE:-0:50}" --run-name mixed_csqa --warm --block 10 --threads 2 \
   --router routers/mixed-qwen2.5-coder-0.5b.json --configs local upstream learned@0.1
 $EVAL report --dataset csqa --run-name mixed_csqa --paired
+
+# the same router with its threshold taken from traffic (routing.threshold_from: traffic): the 20%
+# and 10% quantiles of its recent scores on this run's own answers, rows 0-99, beside local and
+# upstream-only decoded the same way on this machine
+$EVAL run --dataset csqa --rows "${CSQA_TRAFFIC:-0:100}" --run-name mixed_traffic_csqa --warm --block 10 --threads 2 \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --configs local upstream learned@0.2,from=traffic learned@0.1,from=traffic
+$EVAL report --dataset csqa --run-name mixed_traffic_csqa --paired
