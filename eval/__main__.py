@@ -18,12 +18,18 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from eval.datasets import DEFAULT_FILES, MAX_TOKENS, load_items, parse_rows
 from eval.records import analysis_path, parse_source
+
+if TYPE_CHECKING:  # numpy and the routers load only for the commands that use them
+    import numpy as np
+
+    from policies.learned import Router
+    from policies.mlp_router import MlpRouter
 
 LOCAL, UPSTREAM = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
 RUNS_DIR = Path(__file__).resolve().parent.parent / "results" / "runs"  # records apart from the harness
@@ -466,7 +472,7 @@ def _thresholds(args: argparse.Namespace) -> int:
     return 0
 
 
-def _local_analysed_rows(args: argparse.Namespace, router: Any) -> tuple[Any, int]:
+def _local_analysed_rows(args: argparse.Namespace, router: Router | MlpRouter) -> tuple[np.ndarray, int]:
     """A logistic router's inputs along the local model's answers, from their analysis records."""
     from eval.learn import matrix
     from eval.records import in_rows, read_records
@@ -484,7 +490,7 @@ def _local_analysed_rows(args: argparse.Namespace, router: Any) -> tuple[Any, in
     return matrix(fit)[0], len(fit)
 
 
-def _local_hidden_rows(args: argparse.Namespace, router: Any) -> tuple[Any, int]:
+def _local_hidden_rows(args: argparse.Namespace, router: Router | MlpRouter) -> tuple[np.ndarray, int]:
     """An MLP router's inputs (FEATURES and hidden state) along the local model's recorded answers,
     teacher-forced again (eval/hidden_steps.py; cached like eval.hidden_router's rows)."""
     from adapters.model_files import model_sha256, resolve_model
