@@ -94,7 +94,8 @@ class Runtime:
             router, check, local_sha = None, None, model_sha256(settings.models.local[alias.local].gguf)
             if alias.routing.router is not None:
                 router = Router.load(alias.routing.router, local_sha)
-                if alias.routing.policy == "learned" and alias.routing.threshold is None:
+                if alias.routing.policy == "learned" and alias.routing.threshold is None \
+                        and alias.routing.threshold_from == "router":
                     router.threshold_for_share(alias.routing.target_fraction)  # fitted for it, or RouterError
             if alias.routing.answer_check is not None:
                 check = AnswerCheck.load(alias.routing.answer_check, local_sha)

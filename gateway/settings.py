@@ -74,7 +74,7 @@ class RoutingSettings(Strict):
         "first: how many answer tokens (no default).")
     target_fraction: float | None = Field(
         None, gt=0, le=1, description="Share of answer tokens to route upstream (target_fraction; learned: the "
-        "router's threshold fitted for that share).")
+        "share of steps it scores highest, by threshold_from).")
     threshold_from: ThresholdSource = Field("router", description=THRESHOLD_FROM_HELP)
     router: str | None = Field(
         None, description="Router file of the learned policy (python -m eval calibrate --learn), trained for this "

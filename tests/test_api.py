@@ -29,6 +29,9 @@ def gateway(smol_upstream, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api")
     config["aliases"]["learned"] = {"local": "smol", "upstream": "up", "routing": {
         "policy": "learned", "target_fraction": 0.1, "router": router_file(tmp)}}
+    # a share the router was not fitted for starts where the threshold comes from traffic
+    config["aliases"]["learned-traffic"] = {"local": "smol", "upstream": "up", "routing": {
+        "policy": "learned", "target_fraction": 0.5, "threshold_from": "traffic", "router": router_file(tmp)}}
     with live_gateway(config, tmp, env=KEYS) as running:
         yield running
 
@@ -97,6 +100,7 @@ def test_learned_policy_serves_its_router_and_refuses_a_share_it_was_not_fitted_
     answer = ask(client, model="learned", max_tokens=8,
                  extra_body={"routing": {"target_fraction": 0.9, "threshold_from": "traffic"}})
     assert routing_of(answer.usage)["policy"] == "learned"
+    assert routing_of(ask(client, model="learned-traffic", max_tokens=8).usage)["policy"] == "learned"
     with pytest.raises(openai.BadRequestError) as caught:
         ask(client, model="learned", extra_body={"routing": {"threshold_from": "fit rows"}})
     assert caught.value.body["param"] == "routing.threshold_from"
@@ -189,7 +193,7 @@ def test_upstream_forbidden_tenant_never_reaches_upstream(gateway):
 
 
 def test_models_lists_the_aliases(client):
-    assert {m.id for m in client.models.list()} == {"routed", "local", "learned"}
+    assert {m.id for m in client.models.list()} == {"routed", "local", "learned", "learned-traffic"}
 
 
 def test_usage_endpoints_and_admin_permissions(gateway, client):
