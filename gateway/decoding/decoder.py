@@ -119,7 +119,8 @@ class RoutingUsage:
 
     policy: str
     guess_kept_tokens: int = 0  # local tokens decoded during hand-offs and kept
-    guesses_dropped: int = 0  # hand-offs whose guess the upstream did not write (dropped whole)
+    # hand-offs whose guess was thrown away whole: the upstream wrote something else first, or the answer ended
+    guesses_dropped: int = 0
     upstream_calls: int = 0  # hand-offs answered by the upstream (a warm-up is billed but not counted here)
     upstream_prompt_tokens: int = 0
     upstream_completion_tokens: int = 0
