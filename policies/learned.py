@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -197,6 +197,7 @@ class LearnedShare(PolicyDefaults):
     min_history: int = 32
     name: str = "learned"
     detailed_signal = True
+    _added: int = field(default=-1, init=False, repr=False)  # the last position whose score the window holds
 
     @property
     def reads_hidden(self) -> bool:
@@ -204,7 +205,9 @@ class LearnedShare(PolicyDefaults):
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
         score = self.router.score_signal(signal)
-        self.window.add(score)
+        if signal.position != self._added:  # a step decided again (after a guess) counts once
+            self.window.add(score)
+            self._added = signal.position
         threshold = self.window.quantile(1.0 - self.target) if len(self.window) >= self.min_history else self.fallback
         return Decision(Route.UPSTREAM, need=score) if score > threshold else LOCAL
 
