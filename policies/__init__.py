@@ -47,6 +47,8 @@ def build_policy(
     elif name == "learned":
         if router is None:
             raise ValueError("policy 'learned' needs a router")
+        if threshold_from not in ("router", "traffic"):
+            raise ValueError(f"threshold_from is 'router' or 'traffic', not {threshold_from!r}")
         if threshold is not None:
             inner = LearnedAbove(router, threshold)
         elif threshold_from == "traffic":

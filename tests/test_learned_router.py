@@ -105,15 +105,45 @@ def test_a_threshold_taken_from_traffic_holds_the_share_where_the_fitted_one_doe
     assert scores[np.array(routed["traffic"])].min() > np.quantile(scores, 0.8)
 
 
-def test_recent_values_keep_the_quantiles_of_the_newest_values():
+@pytest.mark.parametrize("draw", ["normal", "repeated"])
+def test_recent_values_keep_the_quantiles_of_the_newest_values(draw):
     rng = np.random.default_rng(5)
-    window, values = RecentValues(size=50), rng.normal(size=300)
+    values = rng.normal(size=300) if draw == "normal" else rng.integers(0, 5, size=300).astype(float)
+    window = RecentValues(size=50)
     for count, value in enumerate(values, 1):
         window.add(float(value))
         newest = values[max(0, count - 50):count]
         assert len(window) == len(newest)
         for q in (0.0, 0.37, 0.9, 1.0):
             assert window.quantile(q) == pytest.approx(np.quantile(newest, q))
+
+
+@pytest.mark.parametrize("name", ["learned", "target_fraction"])
+def test_a_step_decided_again_after_a_guess_enters_the_window_once(name):
+    router = train(synthetic(50, 0), [0.2], "sha", {})
+    windows = SharedWindows()
+    policy = build_policy(name, target_fraction=0.2, router=router, windows=windows, threshold_from="traffic")
+    step = signal_of(np.array([2.0, 1.0, 0.0, -1.0]), 3)
+    for _ in range(3):
+        policy.decide(step, RoutingState(answer_tokens=3))
+    policy.decide(signal_of(np.array([2.0, 1.0, 0.0, -1.0]), 4), RoutingState(answer_tokens=4))
+    assert len(windows.scores if name == "learned" else windows.entropies) == 2
+
+
+def test_threshold_from_traffic_is_asked_with_a_share_of_a_learned_policy():
+    alias = RoutingSettings(policy="learned", threshold=0.4, router="router.json")
+    asked = resolve_routing(alias, RoutingOverride(target_fraction=0.1, threshold_from="traffic"))
+    assert (asked.threshold, asked.target_fraction, asked.threshold_from) == (None, 0.1, "traffic")
+    tenant = RoutingOverride(target_fraction=0.05, threshold_from="traffic")
+    assert resolve_routing(alias, tenant, RoutingOverride(target_fraction=0.2)).threshold_from == "traffic"
+    for request in (RoutingOverride(threshold_from="traffic"),  # the alias's score threshold stands
+                    RoutingOverride(policy="entropy", threshold=1.0, threshold_from="traffic")):
+        with pytest.raises(InvalidRequest) as refused:
+            resolve_routing(alias, request)
+        assert refused.value.param == "routing.threshold_from"
+    with pytest.raises(ValueError, match="threshold_from"):
+        build_policy("learned", target_fraction=0.1, router=train(synthetic(50, 0), [0.2], "sha", {}),
+                     threshold_from="fit rows")
 
 
 def test_thresholds_command_refits_a_router_file_on_the_local_answers_of_its_rows(tmp_path, capsys):

@@ -73,6 +73,11 @@ def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None) 
         if changes.get("policy", merged["policy"]) != merged["policy"]:
             merged.update(threshold=None, target_fraction=None)
         merged.update(changes)
+        if merged["policy"] == "learned" and "target_fraction" in changes and "threshold" not in changes:
+            merged["threshold"] = None  # a share asked for replaces a score threshold set below it
+        if changes.get("threshold_from") == "traffic" and (merged["policy"] != "learned" or merged["threshold"] is not None):
+            raise InvalidRequest("routing.threshold_from 'traffic' applies to policy 'learned' with a target_fraction, "
+                                 "not a threshold", param="routing.threshold_from")
     policy = merged["policy"]
     if policy in (*THRESHOLD_POLICIES, "first") and merged["threshold"] is None:
         raise InvalidRequest(f"routing policy '{policy}' needs a threshold", param="routing.threshold")
