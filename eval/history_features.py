@@ -36,10 +36,10 @@ SETS = ("the router's twelve features", "+ the previous step's signals", "+ rout
 def history(records: Sequence[dict[str, Any]]) -> np.ndarray:
     """Per position of `records` (in `matrix` order): the previous step's entropy, top-1 and margin
     (0, 1, 1 before the first), whether it was a mismatch, and log(1 + steps since the last
-    mismatch) (counted from the answer's start when there was none)."""
+    mismatch), the answer's start counting as one."""
     rows = []
     for record in records:
-        since = 0
+        since = -1  # the answer's start counts as a hand-off just before its first step
         for i in range(record["n"]):
             before = i - 1
             previous = (record["entropy"][before], record["top1"][before], record["margin"][before]) if i else (0.0, 1.0, 1.0)

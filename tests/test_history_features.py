@@ -15,8 +15,8 @@ def test_history_reads_the_previous_step_and_the_steps_since_the_last_mismatch()
               "margin": [0.8, 0.3, 0.1, 0.05]}
     rows = history([record])
     assert rows.tolist() == [
-        [0.0, 1.0, 1.0, 0.0, math.log1p(1)],  # nothing before the first step
-        [0.5, 0.9, 0.8, 0.0, math.log1p(2)],
+        [0.0, 1.0, 1.0, 0.0, math.log1p(0)],  # nothing before the first step
+        [0.5, 0.9, 0.8, 0.0, math.log1p(1)],
         [1.5, 0.6, 0.3, 1.0, math.log1p(0)],  # the step before was a mismatch (routed)
         [2.5, 0.4, 0.1, 0.0, math.log1p(1)],
     ]
