@@ -47,3 +47,23 @@ $EVAL report --dataset csqa --run-name mixed_csqa --paired
 $EVAL run --dataset csqa --rows "${CSQA_TRAFFIC:-0:100}" --run-name mixed_traffic_csqa --warm --block 10 --threads 2 \
   --router routers/mixed-qwen2.5-coder-0.5b.json --configs local upstream learned@0.2,from=traffic learned@0.1,from=traffic
 $EVAL report --dataset csqa --run-name mixed_traffic_csqa --paired
+
+# HumanEval (never fitted on) at 5% from traffic, problems 0-147; local, upstream-only and the GSM8K
+# router's learned@0.1 are the landed records of learned_humaneval (this machine decodes them alike)
+mkdir -p results/runs/mixed_traffic_humaneval
+for config in local upstream learned@0.1; do
+  cp -n "results/runs/learned_humaneval/humaneval__$config.jsonl" results/runs/mixed_traffic_humaneval/
+done
+$EVAL run --dataset humaneval --rows 0:148 --run-name mixed_traffic_humaneval --block 4 --threads 2 \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --configs learned@0.05,from=traffic
+$EVAL report --dataset humaneval --run-name mixed_traffic_humaneval --paired
+
+# GSM8K report rows 100-139 at 5% from traffic (the mixed router's GSM8K answers are train rows);
+# local, upstream-only and the GSM8K router's learned@0.05 are the landed records of learned_gsm8k
+mkdir -p results/runs/mixed_traffic_gsm8k
+for config in local upstream learned@0.05; do
+  cp -n "results/runs/learned_gsm8k/gsm8k__$config.jsonl" results/runs/mixed_traffic_gsm8k/
+done
+$EVAL run --dataset gsm8k --rows "${GSM8K_TRAFFIC:-100:140}" --max-tokens 512 --run-name mixed_traffic_gsm8k --warm \
+  --block 2 --threads 2 --router routers/mixed-qwen2.5-coder-0.5b.json --configs learned@0.05,from=traffic
+$EVAL report --dataset gsm8k --run-name mixed_traffic_gsm8k --rows "${GSM8K_TRAFFIC:-100:140}" --paired
