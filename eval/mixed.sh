@@ -58,12 +58,13 @@ $EVAL run --dataset humaneval --rows 0:148 --run-name mixed_traffic_humaneval --
   --router routers/mixed-qwen2.5-coder-0.5b.json --configs learned@0.05,from=traffic
 $EVAL report --dataset humaneval --run-name mixed_traffic_humaneval --paired
 
-# GSM8K report rows 100-139 at 5% from traffic (the mixed router's GSM8K answers are train rows);
-# local, upstream-only and the GSM8K router's learned@0.05 are the landed records of learned_gsm8k
+# GSM8K report rows 100-139 at 5% from traffic (the mixed router's GSM8K answers are train rows),
+# beside local decoded here; upstream-only and the GSM8K router's learned@0.05 are the landed records
+# of learned_gsm8k (another machine, whose local text differs at near-ties on 2 of 3 rows checked)
 mkdir -p results/runs/mixed_traffic_gsm8k
-for config in local upstream learned@0.05; do
+for config in upstream learned@0.05; do
   cp -n "results/runs/learned_gsm8k/gsm8k__$config.jsonl" results/runs/mixed_traffic_gsm8k/
 done
 $EVAL run --dataset gsm8k --rows "${GSM8K_TRAFFIC:-100:140}" --max-tokens 512 --run-name mixed_traffic_gsm8k --warm \
-  --block 2 --threads 2 --router routers/mixed-qwen2.5-coder-0.5b.json --configs learned@0.05,from=traffic
+  --block 2 --threads 2 --router routers/mixed-qwen2.5-coder-0.5b.json --configs local learned@0.05,from=traffic
 $EVAL report --dataset gsm8k --run-name mixed_traffic_gsm8k --rows "${GSM8K_TRAFFIC:-100:140}" --paired
