@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from eval.analysis import auroc
-from eval.hidden_router import auroc_gain
+from eval.hidden_router import _logistic_scores, auroc_gain
 from eval.learn import fit_logistic, matrix
 from eval.mixed_router import RUNS_DIR, load
 from eval.records import write_json
@@ -56,18 +56,13 @@ def feature_sets(records: Sequence[dict[str, Any]]) -> tuple[dict[str, np.ndarra
     return {SETS[0]: x, SETS[1]: np.hstack([x, extra[:, :3]]), SETS[2]: np.hstack([x, extra])}, labels, answers
 
 
-def _scores(fit: tuple[np.ndarray, float, np.ndarray, np.ndarray], x: np.ndarray) -> np.ndarray:
-    weights, bias, mean, scale = fit
-    return (x - mean) / scale @ weights + bias  # the logit: AUROC needs only the order
-
-
 def ablation(fit_records: Sequence[dict[str, Any]], held_records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """AUROC on the held-out positions of a logistic router fitted on each feature set, and each
     larger set's gain over the twelve features."""
     fit_sets, fit_labels, _ = feature_sets(fit_records)
     held_sets, held_labels, answers = feature_sets(held_records)
     labels = held_labels.astype(bool)
-    scores = {name: _scores(fit_logistic(fit_sets[name], fit_labels), held_sets[name]) for name in SETS}
+    scores = {name: _logistic_scores(*fit_logistic(fit_sets[name], fit_labels), held_sets[name]) for name in SETS}
     return {"fit": {"answers": len(fit_records), "positions": int(len(fit_labels))},
             "held_out": {"answers": len(held_records), "positions": int(len(labels)), "mismatch_share": float(labels.mean())},
             "auroc": {name: auroc(s, labels) for name, s in scores.items()},
