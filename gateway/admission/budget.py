@@ -23,7 +23,6 @@ from adapters.store import (
     Limits,
     Reservation,
     Store,
-    StoreSkipped,
     StoreUnavailable,
     new_reservation,
 )
@@ -135,7 +134,7 @@ class HandoffGate:
         try:
             held = await self.ledger.store.reserve(reservation, self.limits, self.ledger.clock(), ttl_s)
         except StoreUnavailable as fault:
-            if not isinstance(fault, StoreSkipped):  # Redis may have held it and lost only the reply
+            if fault.may_have_applied:  # held, with only the reply lost
                 await self.ledger.release(reservation, tried=False)
             self.refusal = "store_unavailable"
             return None
