@@ -42,29 +42,36 @@ $EVAL run --dataset csqa --rows "${CSQA_LIVE:-0:50}" --run-name mixed_csqa --war
 $EVAL report --dataset csqa --run-name mixed_csqa --paired
 
 # the same router with its threshold taken from traffic (routing.threshold_from: traffic): the 20%
-# and 10% quantiles of its recent scores on this run's own answers, rows 0-99, beside local and
-# upstream-only decoded the same way on this machine
-$EVAL run --dataset csqa --rows "${CSQA_TRAFFIC:-0:100}" --run-name mixed_traffic_csqa --warm --block 10 --threads 2 \
+# and 10% quantiles of its recent scores on this run's own answers, rows 0-199 (rows 100-199 gave
+# the fitted fallback threshold, used until 32 scores are in), beside local and upstream-only
+# decoded the same way on this machine
+$EVAL run --dataset csqa --rows "${CSQA_TRAFFIC:-0:200}" --run-name mixed_traffic_csqa --warm --block 10 --threads 2 \
   --router routers/mixed-qwen2.5-coder-0.5b.json --configs local upstream learned@0.2,from=traffic learned@0.1,from=traffic
 $EVAL report --dataset csqa --run-name mixed_traffic_csqa --paired
 
-# HumanEval (never fitted on) at 5% from traffic, problems 0-147; local, upstream-only and the GSM8K
-# router's learned@0.1 are the landed records of learned_humaneval (this machine decodes them alike)
+# HumanEval (never fitted on) at 5% from traffic, all 164 problems; for problems 0-147 local,
+# upstream-only and the GSM8K router's learned@0.1 are the landed records of learned_humaneval
 mkdir -p results/runs/mixed_traffic_humaneval
 for config in local upstream learned@0.1; do
   cp -n "results/runs/learned_humaneval/humaneval__$config.jsonl" results/runs/mixed_traffic_humaneval/
 done
-$EVAL run --dataset humaneval --rows 0:148 --run-name mixed_traffic_humaneval --block 4 --threads 2 \
-  --router routers/mixed-qwen2.5-coder-0.5b.json --configs learned@0.05,from=traffic
+$EVAL run --dataset humaneval --rows 0:164 --run-name mixed_traffic_humaneval --block 4 --threads 2 \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --configs local upstream learned@0.05,from=traffic
 $EVAL report --dataset humaneval --run-name mixed_traffic_humaneval --paired
 
-# GSM8K report rows 100-139 at 5% from traffic (the mixed router's GSM8K answers are train rows),
+# GSM8K report rows 100-199 at 5% from traffic (the mixed router's GSM8K answers are train rows),
 # beside local decoded here; upstream-only and the GSM8K router's learned@0.05 are the landed records
 # of learned_gsm8k (another machine, whose local text differs at near-ties on 2 of 3 rows checked)
 mkdir -p results/runs/mixed_traffic_gsm8k
 for config in upstream learned@0.05; do
   cp -n "results/runs/learned_gsm8k/gsm8k__$config.jsonl" results/runs/mixed_traffic_gsm8k/
 done
-$EVAL run --dataset gsm8k --rows "${GSM8K_TRAFFIC:-100:140}" --max-tokens 512 --run-name mixed_traffic_gsm8k --warm \
-  --block 2 --threads 2 --router routers/mixed-qwen2.5-coder-0.5b.json --configs local learned@0.05,from=traffic
-$EVAL report --dataset gsm8k --run-name mixed_traffic_gsm8k --rows "${GSM8K_TRAFFIC:-100:140}" --paired
+$EVAL run --dataset gsm8k --rows "${GSM8K_TRAFFIC:-100:200}" --max-tokens 512 --run-name mixed_traffic_gsm8k --warm \
+  --block 2 --threads 2 --router routers/mixed-qwen2.5-coder-0.5b.json --configs local upstream learned@0.05,from=traffic
+$EVAL report --dataset gsm8k --run-name mixed_traffic_gsm8k --rows "${GSM8K_TRAFFIC:-100:200}" --paired
+
+# IFEval rows 150-199 (nothing of the router or its thresholds fitted or chosen there) at 5% from
+# traffic, beside local and upstream-only decoded the same way
+$EVAL run --dataset ifeval --rows "${IFEVAL_TRAFFIC:-150:200}" --run-name mixed_traffic_ifeval --block 4 --threads 2 \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --configs local upstream learned@0.05,from=traffic
+$EVAL report --dataset ifeval --run-name mixed_traffic_ifeval --paired
