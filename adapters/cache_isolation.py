@@ -27,7 +27,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
-from adapters.store import SlotLease, Store, StoreUnavailable
+from adapters.store import SlotLease, Store, StoreSkipped, StoreUnavailable
 from adapters.upstream_errors import UpstreamUnavailable
 from adapters.upstream_server import erase_slot, server_root
 
@@ -106,7 +106,7 @@ class TenantSlots:
                 await self._release_missed()
                 held = await self._store.slot_lease(self._server, self._count, scope, key, self._hold_s, lease)
             except StoreUnavailable as exc:  # no one can say whose prompts a slot holds
-                if exc.may_have_applied:  # granted, with only the reply lost:
+                if not isinstance(exc, StoreSkipped):  # Redis may have granted it and lost the reply:
                     self._unreleased.append((SlotLease(-1, True, lease), False))  # its next holder erases
                 raise UpstreamUnavailable(f"the upstream's slot leases are unreachable ({exc})") from exc
             if held is not None:

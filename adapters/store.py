@@ -27,16 +27,11 @@ from typing import Any, Protocol
 class StoreUnavailable(Exception):
     """The store could not be reached in time; callers degrade to local-only, spending nothing.
 
-    A write that fails this way may still have been applied (the reply was lost, not the command):
-    a caller undoes it where it would otherwise hold something for its whole TTL."""
-
-    may_have_applied = True
+    A write that fails this way may still have been applied (the reply was lost, not the command)."""
 
 
 class StoreSkipped(StoreUnavailable):
     """Not even tried, since the store failed repeatedly just now: nothing was written."""
-
-    may_have_applied = False
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from adapters.store import (
     Limits,
     Reservation,
     Store,
+    StoreSkipped,
     StoreUnavailable,
     new_reservation,
 )
@@ -134,7 +135,7 @@ class HandoffGate:
         try:
             held = await self.ledger.store.reserve(reservation, self.limits, self.ledger.clock(), ttl_s)
         except StoreUnavailable as fault:
-            if fault.may_have_applied:  # held, with only the reply lost
+            if not isinstance(fault, StoreSkipped):  # Redis may have held it and lost only the reply
                 await self.ledger.release(reservation, tried=False)
             self.refusal = "store_unavailable"
             return None
