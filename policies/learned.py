@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -159,26 +159,19 @@ def threshold_for_share(shares: dict[float, float], share: float) -> float:
 
 
 @dataclass
-class RouterPolicy(PolicyDefaults):
-    """A policy that decides on a router's score of the step: the router reads the detailed signal
-    (top-k probabilities, token kinds), and the hidden state where its file says so."""
+class LearnedAbove(PolicyDefaults):
+    """Route when the router's score (the predicted chance that the step carries its training
+    label: the local token is not the upstream's, or, for a divergent-label router, changes the
+    answer) exceeds the threshold."""
 
     router: "Router | MlpRouter"
+    threshold: float
+    name: str = "learned"
     detailed_signal = True
 
     @property
     def reads_hidden(self) -> bool:
         return self.router.reads_hidden
-
-
-@dataclass
-class LearnedAbove(RouterPolicy):
-    """Route when the router's score (the predicted chance that the step carries its training
-    label: the local token is not the upstream's, or, for a divergent-label router, changes the
-    answer) exceeds the threshold."""
-
-    threshold: float
-    name: str = "learned"
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
         score = self.router.score_signal(signal)
@@ -186,7 +179,7 @@ class LearnedAbove(RouterPolicy):
 
 
 @dataclass
-class LearnedShare(RouterPolicy):
+class LearnedShare(PolicyDefaults):
     """Route the `target` share of steps that the router scores highest on live traffic.
 
     The threshold is the (1 - target) quantile of the router's scores in `window` (shared by a
@@ -197,15 +190,24 @@ class LearnedShare(RouterPolicy):
     router's fitted threshold (`fallback`) decides. Which steps rank highest is the router's
     choice either way; only how many of them go upstream follows the traffic."""
 
+    router: "Router | MlpRouter"
     target: float
     window: RecentValues
     fallback: float
     min_history: int = 32
     name: str = "learned"
+    detailed_signal = True
+    _added: int = field(default=-1, init=False, repr=False)  # the last position whose score the window holds
+
+    @property
+    def reads_hidden(self) -> bool:
+        return self.router.reads_hidden
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
         score = self.router.score_signal(signal)
-        self.window.add(score)
+        if signal.position != self._added:  # a step decided again (after a guess) counts once
+            self.window.add(score)
+            self._added = signal.position
         threshold = self.window.quantile(1.0 - self.target) if len(self.window) >= self.min_history else self.fallback
         return Decision(Route.UPSTREAM, need=score) if score > threshold else LOCAL
 
