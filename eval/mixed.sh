@@ -57,7 +57,8 @@ for config in local upstream learned@0.1; do
 done
 $EVAL run --dataset humaneval --rows 0:164 --run-name mixed_traffic_humaneval --block 4 --threads 2 \
   --router routers/mixed-qwen2.5-coder-0.5b.json --configs local upstream learned@0.05,from=traffic
-$EVAL report --dataset humaneval --run-name mixed_traffic_humaneval --paired
+$EVAL report --dataset humaneval --run-name mixed_traffic_humaneval --paired  # every config on the rows all have (0-147)
+$EVAL report --dataset humaneval --run-name mixed_traffic_humaneval --paired --configs local upstream learned@0.05,from=traffic
 
 # GSM8K report rows 100-199 at 5% from traffic (the mixed router's GSM8K answers are train rows),
 # beside local decoded here; upstream-only and the GSM8K router's learned@0.05 are the landed records
@@ -68,7 +69,8 @@ for config in upstream learned@0.05; do
 done
 $EVAL run --dataset gsm8k --rows "${GSM8K_TRAFFIC:-100:200}" --max-tokens 512 --run-name mixed_traffic_gsm8k --warm \
   --block 2 --threads 2 --router routers/mixed-qwen2.5-coder-0.5b.json --configs local upstream learned@0.05,from=traffic
-$EVAL report --dataset gsm8k --run-name mixed_traffic_gsm8k --rows "${GSM8K_TRAFFIC:-100:200}" --paired
+$EVAL report --dataset gsm8k --run-name mixed_traffic_gsm8k --rows "${GSM8K_TRAFFIC:-100:200}" --paired \
+  --configs local upstream learned@0.05,from=traffic  # learned_gsm8k's router has no rows 198-199
 
 # IFEval rows 150-199 (nothing of the router or its thresholds fitted or chosen there) at 5% from
 # traffic, beside local and upstream-only decoded the same way
