@@ -53,6 +53,20 @@ async def test_boundary_that_remerges_becomes_one_upstream_token():
     invariant(decoding)
 
 
+def test_a_split_the_local_model_chose_far_back_is_not_undone_by_a_hand_off():
+    local = FakeLocalModel(VOCAB, "")
+    decoding, _ = make(local, FakeUpstream(""))
+    written = ["Par", "is", *[" is"] * 8, " "]  # "Par" + "is": not how the tokenizer would split "Paris"
+    decoding.answer_tokens = [local.vocab.index(t) for t in written]
+    decoding.sources = ["local"] * len(written)
+    decoding.answer_bytes = bytearray("".join(written).encode())
+    first_new, added = decoding._append_text("nice", "upstream")  # " " + "nice" re-merges as " nice"
+    assert [local.vocab[t] for t in decoding.answer_tokens] == [*written[:-1], " nice"]
+    assert (first_new, added) == (len(written) - 1, b"nice")
+    assert decoding.sources == ["local"] * (len(written) - 1) + ["upstream"]
+    invariant(decoding)
+
+
 async def test_a_raw_prompt_is_continued_as_text_and_handed_off_as_text():
     local = FakeLocalModel(VOCAB, "")
     upstream = FakeUpstream("Paris is nice.", chars_per_token=3)

@@ -53,6 +53,8 @@ from policies.answer_check import AnswerCheck, AnswerStats
 
 LOCAL, UPSTREAM, CACHE = "local", "upstream", "cache"
 GUESS_LIMIT = 8  # most local tokens guessed ahead while a hand-off is in flight
+RETOKENIZED_TAIL = 8  # answer tokens re-tokenized with upstream text: room for a word re-merging at the join
+CONTINUATION_BYTES = frozenset(bytes([b]) for b in range(0x80, 0xC0))  # UTF-8 bytes inside a character
 # Most tokens one hand-off writes under a grammar: the upstream writes freely and the grammar cuts
 # its text at the first break, so a longer span would mostly be generated (and billed) in vain.
 GRAMMAR_SPAN = 16
@@ -569,14 +571,18 @@ class Decoding:
     def _append_text(self, text: str, source: str) -> tuple[int, bytes]:
         """Append upstream text, re-tokenized locally; return (first new token index, new bytes).
 
-        The whole answer is re-tokenized so a boundary that merges ("Par" + "is" -> "Paris")
-        becomes the token the local model would have seen; tokens past the common prefix are
-        replaced, and the next forward() rewinds the KV cache to that prefix. Tokens past the
-        answer's limit are dropped with their text.
+        The answer's last few tokens are re-tokenized with the text, so a boundary that merges
+        ("Par" + "is" -> "Paris") becomes the token the local model would have seen; tokens past
+        the common prefix are replaced, and the next forward() rewinds the KV cache to that prefix.
+        Earlier tokens stand as written: re-tokenizing the whole answer would undo a split the local
+        model chose far back, rewind the cache to it and count every token after it as the
+        upstream's. Tokens past the answer's limit are dropped with their text.
         """
         before = len(self.answer_bytes)
+        keep = self._retokenized_from()
+        kept_bytes = sum(len(self.local.token_bytes(t)) for t in self.answer_tokens[:keep])
         self.answer_bytes += text.encode("utf-8")
-        tokens = self.local.tokenize_text(bytes(self.answer_bytes))
+        tokens = self.answer_tokens[:keep] + self.local.tokenize_text(bytes(self.answer_bytes[kept_bytes:]))
         if len(tokens) > self.limit:
             tokens = tokens[: self.limit]
             self.answer_bytes = bytearray(b"".join(self.local.token_bytes(t) for t in tokens))
@@ -584,6 +590,14 @@ class Decoding:
         self.answer_tokens = tokens
         self.sources = self.sources[:common] + [source] * (len(tokens) - common)
         return common, bytes(self.answer_bytes[before:])
+
+    def _retokenized_from(self) -> int:
+        """The first answer token re-tokenized with upstream text: RETOKENIZED_TAIL back, moved to
+        the start of a character (a token may end inside one)."""
+        start = max(0, len(self.answer_tokens) - RETOKENIZED_TAIL)
+        while start > 0 and self.local.token_bytes(self.answer_tokens[start])[:1] in CONTINUATION_BYTES:
+            start -= 1
+        return start
 
     def _check_end(self) -> None:
         if self.finish_reason is not None:
