@@ -27,7 +27,7 @@ import numpy as np
 from eval.analysis import auroc
 from eval.hidden_router import _logistic_scores, auroc_gain
 from eval.learn import fit_logistic, matrix
-from eval.mixed_router import RUNS_DIR, load
+from eval.mixed_router import RUNS_DIR, add_answer_sources, load
 from eval.records import write_json
 
 SETS = ("the router's twelve features", "+ the previous step's signals", "+ routing history (every mismatch routed)")
@@ -71,11 +71,7 @@ def ablation(fit_records: Sequence[dict[str, Any]], held_records: Sequence[dict[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fit", action="append", required=True, metavar="DATASET,RUN[,ROWS]",
-                        help="teacher-forced upstream answers the routers are fitted on")
-    parser.add_argument("--held-out", action="append", required=True, metavar="DATASET,RUN[,ROWS]",
-                        help="teacher-forced upstream answers they are rated on (the same dataset)")
-    parser.add_argument("--runs-dir", type=Path, default=RUNS_DIR)
+    add_answer_sources(parser)  # of one dataset
     parser.add_argument("--report", type=Path, help="default: results/runs/history/<dataset>.json")
     args = parser.parse_args(argv)
 

@@ -138,12 +138,18 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_answer_sources(parser: argparse.ArgumentParser) -> None:
+    """--fit and --held-out (teacher-forced upstream answers, DATASET,RUN[,ROWS]) and --runs-dir."""
     parser.add_argument("--fit", action="append", required=True, metavar="DATASET,RUN[,ROWS]",
                         help="teacher-forced upstream answers the routers are fitted on")
     parser.add_argument("--held-out", action="append", required=True, metavar="DATASET,RUN[,ROWS]",
                         help="teacher-forced upstream answers the routers are rated on")
+    parser.add_argument("--runs-dir", type=Path, default=RUNS_DIR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_answer_sources(parser)
     parser.add_argument("--live-fit", action="append", default=[], metavar="DATASET,RUN[,ROWS]",
                         help="the local model's answers the on-policy thresholds are fitted on")
     parser.add_argument("--live", action="append", default=[], metavar="DATASET,RUN[,ROWS]",
@@ -152,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local", default=LOCAL, help="the analysed local model")
     parser.add_argument("--out", type=Path, help="write the mixed router here")
     parser.add_argument("--report", type=Path, default=RUNS_DIR / "mixed" / "mixed_router.json")
-    parser.add_argument("--runs-dir", type=Path, default=RUNS_DIR)
     args = parser.parse_args(argv)
 
     fit, held = load(args.fit, args.runs_dir, "upstream"), load(args.held_out, args.runs_dir, "upstream")

@@ -159,19 +159,26 @@ def threshold_for_share(shares: dict[float, float], share: float) -> float:
 
 
 @dataclass
-class LearnedAbove(PolicyDefaults):
-    """Route when the router's score (the predicted chance that the step carries its training
-    label: the local token is not the upstream's, or, for a divergent-label router, changes the
-    answer) exceeds the threshold."""
+class RouterPolicy(PolicyDefaults):
+    """A policy that decides on a router's score of the step: the router reads the detailed signal
+    (top-k probabilities, token kinds), and the hidden state where its file says so."""
 
     router: "Router | MlpRouter"
-    threshold: float
-    name: str = "learned"
     detailed_signal = True
 
     @property
     def reads_hidden(self) -> bool:
         return self.router.reads_hidden
+
+
+@dataclass
+class LearnedAbove(RouterPolicy):
+    """Route when the router's score (the predicted chance that the step carries its training
+    label: the local token is not the upstream's, or, for a divergent-label router, changes the
+    answer) exceeds the threshold."""
+
+    threshold: float
+    name: str = "learned"
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
         score = self.router.score_signal(signal)
@@ -179,7 +186,7 @@ class LearnedAbove(PolicyDefaults):
 
 
 @dataclass
-class LearnedShare(PolicyDefaults):
+class LearnedShare(RouterPolicy):
     """Route the `target` share of steps that the router scores highest on live traffic.
 
     The threshold is the (1 - target) quantile of the router's scores in `window` (shared by a
@@ -190,18 +197,12 @@ class LearnedShare(PolicyDefaults):
     router's fitted threshold (`fallback`) decides. Which steps rank highest is the router's
     choice either way; only how many of them go upstream follows the traffic."""
 
-    router: "Router | MlpRouter"
     target: float
     window: RecentValues
     fallback: float
     min_history: int = 32
     name: str = "learned"
-    detailed_signal = True
     _added: int = field(default=-1, init=False, repr=False)  # the last position whose score the window holds
-
-    @property
-    def reads_hidden(self) -> bool:
-        return self.router.reads_hidden
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
         score = self.router.score_signal(signal)
