@@ -59,6 +59,15 @@ $EVAL run --dataset humaneval --rows 0:164 --run-name mixed_traffic_humaneval --
   --router routers/mixed-qwen2.5-coder-0.5b.json --configs local upstream learned@0.05,from=traffic
 $EVAL report --dataset humaneval --run-name mixed_traffic_humaneval --paired  # every config on the rows all have (0-147)
 $EVAL report --dataset humaneval --run-name mixed_traffic_humaneval --paired --configs local upstream learned@0.05,from=traffic
+# the same after the decoder re-tokenizes only an answer's last eight tokens at a hand-off (before,
+# a split the local model chose far back could be undone and every later token counted upstream):
+# local and upstream-only copied, since neither hands off
+run=mixed_traffic_humaneval_tail8
+mkdir -p "results/runs/$run"
+for config in local upstream; do cp -n "results/runs/mixed_traffic_humaneval/humaneval__$config.jsonl" "results/runs/$run/"; done
+$EVAL run --dataset humaneval --rows 0:164 --run-name "$run" --block 4 --threads 2 \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --configs learned@0.05,from=traffic
+$EVAL report --dataset humaneval --run-name "$run" --paired
 
 # GSM8K report rows 100-199 at 5% from traffic (the mixed router's GSM8K answers are train rows),
 # beside local decoded here; upstream-only and the GSM8K router's learned@0.05 are the landed records
