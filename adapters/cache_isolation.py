@@ -109,6 +109,9 @@ class TenantSlots:
                 if not isinstance(exc, StoreSkipped):  # Redis may have granted it and lost the reply:
                     self._unreleased.append((SlotLease(-1, True, lease), False))  # its next holder erases
                 raise UpstreamUnavailable(f"the upstream's slot leases are unreachable ({exc})") from exc
+            except asyncio.CancelledError:  # the call ended with the reply in flight: it may hold a slot
+                await asyncio.shield(self._free(SlotLease(-1, True, lease), False))
+                raise
             if held is not None:
                 return held
             if time.monotonic() > deadline:

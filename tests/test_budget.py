@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
 
 from adapters.store import (
     Billed,
@@ -15,6 +18,9 @@ from adapters.store import (
     new_reservation,
 )
 from gateway.admission.budget import HandoffGate, Ledger
+from gateway.admission.limits import admit_rates
+from gateway.admission.tenants import Tenant
+from gateway.settings import RateLimitSettings, TenantSettings
 
 NOW = 1_790_000_000.0
 
@@ -137,3 +143,45 @@ async def test_a_skipped_reserve_queues_nothing():
     store.skipping = True
     assert await gate.reserve(60, 0.0) is None and gate.refusal == "store_unavailable"
     assert gate.ledger.unreleased == 0
+
+
+class RepliesInFlight(MemoryStore):
+    """A MemoryStore whose reserve is applied at once and answered never (the reply still in flight)."""
+
+    async def reserve(self, reservation, limits, now, ttl_s=0.0):
+        await super().reserve(reservation, limits, now, ttl_s)
+        await asyncio.Event().wait()
+
+
+async def test_a_reservation_whose_request_ended_before_the_reply_is_released():
+    store = RepliesInFlight()
+    limits = Limits(day_tokens=100)
+    gate = HandoffGate(Ledger(store, clock=lambda: NOW), "t", limits, allowed=True)
+    reserving = asyncio.ensure_future(gate.reserve(60, 0.0))
+    await asyncio.sleep(0.01)
+    assert (await store.headroom("t", limits, NOW)).tokens == 40  # held, the caller still waiting
+    reserving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reserving
+    assert (await store.headroom("t", limits, NOW)).tokens == 100
+
+
+class HeadroomInFlight(MemoryStore):
+    """A MemoryStore whose headroom read never answers (a reply still in flight)."""
+
+    async def headroom(self, tenant, limits, now):
+        await asyncio.Event().wait()
+
+
+async def test_a_request_that_ends_mid_admission_gives_its_parallel_slot_back():
+    store, one = HeadroomInFlight(), RateLimits(max_parallel=1)
+    ledger = Ledger(store, clock=lambda: NOW)
+    tenant = Tenant("t", TenantSettings(id="t", api_key_env="T_KEY", rate_limits=RateLimitSettings(max_parallel=1)))
+    gate = HandoffGate(ledger, "t", Limits(day_tokens=100), allowed=True)
+    admitting = asyncio.ensure_future(admit_rates(SimpleNamespace(ledger=ledger), tenant, gate, "r1", 10))
+    await asyncio.sleep(0.01)
+    assert await store.admit("t", "r2", one, 0, NOW) is not None  # r1 holds the one slot
+    admitting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await admitting
+    assert await store.admit("t", "r2", one, 0, NOW) is None

@@ -291,3 +291,36 @@ def test_a_slot_release_the_store_missed_is_retried_before_the_next_lease():
         return time.monotonic() - started
 
     assert run(scenario()) < 1.0
+
+
+def test_a_slot_lease_whose_call_ended_before_the_reply_is_given_back():
+    class LeaseInFlight(MemoryStore):
+        in_flight = True
+
+        async def slot_lease(self, *args, **kwargs):
+            held = await super().slot_lease(*args, **kwargs)
+            while self.in_flight:  # the first reply never arrives
+                await asyncio.sleep(0.01)
+            return held
+
+    async def erase(slot: int) -> None:
+        return None
+
+    async def scenario() -> dict:
+        store = LeaseInFlight()
+        slots = TenantSlots(1, erase, store, "srv", hold_s=60, wait_s=0.5)
+
+        async def call() -> None:
+            async with slots.lease("a", "r1"):
+                pass
+
+        calling = asyncio.ensure_future(call())
+        await asyncio.sleep(0.05)
+        calling.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await calling
+        store.in_flight = False
+        async with slots.lease("b", "r2") as fields:  # the only slot: free again, not held for 60 s
+            return fields
+
+    assert run(scenario()) == {"id_slot": 0}

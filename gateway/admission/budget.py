@@ -139,6 +139,9 @@ class HandoffGate:
                 await self.ledger.release(reservation, tried=False)
             self.refusal = "store_unavailable"
             return None
+        except asyncio.CancelledError:  # the request ended (client gone) with the reply in flight:
+            await asyncio.shield(self.ledger.release(reservation))  # Redis may have held it
+            raise
         if not held:
             self.refusal = "budget_exhausted"
         return reservation if held else None

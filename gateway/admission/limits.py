@@ -3,6 +3,8 @@ budget's headroom, and the parallel slot it gives back when it ends."""
 
 from __future__ import annotations
 
+import asyncio
+
 from adapters.store import StoreUnavailable
 from gateway.admission.budget import HandoffGate
 from gateway.admission.tenants import Tenant
@@ -24,6 +26,9 @@ async def admit_rates(runtime: Runtime, tenant: Tenant, gate: HandoffGate, reque
             gate.headroom = await store.headroom(tenant.id, gate.limits, now)
     except StoreUnavailable:
         return
+    except asyncio.CancelledError:  # the request ended mid-admission: the store may hold its slot
+        await asyncio.shield(release(runtime, tenant, request_id))
+        raise
     if gate.headroom is not None and gate.headroom.exhausted:
         if tenant.settings.on_budget_exhausted == "refuse":
             await release(runtime, tenant, request_id)

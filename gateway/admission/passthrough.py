@@ -235,9 +235,13 @@ async def admit(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     await admit_rates(runtime, tenant, gate, request_id, prompt + answers)
     reservation = None
-    if gate.allowed:
-        reservation = await gate.reserve(prompt + answers, upstream.estimate_cost(prompt, answers),
-                                         ttl_s=upstream.settings.passthrough_timeout_s + RESERVATION_MARGIN_S)
+    try:
+        if gate.allowed:
+            reservation = await gate.reserve(prompt + answers, upstream.estimate_cost(prompt, answers),
+                                             ttl_s=upstream.settings.passthrough_timeout_s + RESERVATION_MARGIN_S)
+    except asyncio.CancelledError:  # the request ended before its reservation: give the slot back
+        await asyncio.shield(release(runtime, tenant, request_id))
+        raise
     if reservation is None:
         await release(runtime, tenant, request_id)
         if gate.refusal == "store_unavailable":
