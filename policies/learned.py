@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -202,13 +202,10 @@ class LearnedShare(RouterPolicy):
     fallback: float
     min_history: int = 32
     name: str = "learned"
-    _added: int = field(default=-1, init=False, repr=False)  # the last position whose score the window holds
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
         score = self.router.score_signal(signal)
-        if signal.position != self._added:  # a step decided again (after a guess) counts once
-            self.window.add(score)
-            self._added = signal.position
+        self.window.add(score)
         threshold = self.window.quantile(1.0 - self.target) if len(self.window) >= self.min_history else self.fallback
         return Decision(Route.UPSTREAM, need=score) if score > threshold else LOCAL
 

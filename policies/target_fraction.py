@@ -26,12 +26,9 @@ class TargetFraction(PolicyDefaults):
     slack: float = 1.0
     min_history: int = 16
     name: str = "target_fraction"
-    _added: int = field(default=-1, init=False, repr=False)  # the last position whose entropy the window holds
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
-        if signal.position != self._added:  # a step decided again (after a guess) counts once
-            self.window.add(signal.entropy)
-            self._added = signal.position
+        self.window.add(signal.entropy)
         owed = self.target * (state.answer_tokens + 1) - state.upstream_tokens
         if owed > self.slack:
             return UPSTREAM

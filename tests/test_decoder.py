@@ -333,6 +333,28 @@ async def test_a_guess_the_upstream_contradicts_is_rolled_back():
     invariant(decoding)
 
 
+async def test_a_guessed_step_the_policy_routes_is_decided_once():
+    """A window-calibrated policy learns from every decision, so a step decided twice would count twice."""
+    local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({0, 2}), lean=1.0)
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=5, delay_s=0.2)
+    decoding, _ = make(local, upstream, policy="entropy", threshold=1.0)
+    decided, policy = [], decoding.request.policy
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(policy, name)
+
+        def decide(self, signal, state):
+            decided.append(signal.position)
+            return policy.decide(signal, state)
+
+    decoding.request = dataclasses.replace(decoding.request, policy=Recording())
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris is nice." and len(upstream.calls) == 2  # "Paris", then " nice" (guessed, routed)
+    assert decided == sorted(set(decided))
+    assert 2 in decided and decoding.usage.guess_kept_tokens >= 1  # " is" kept, " nice" routed from its guess
+
+
 async def test_sampled_requests_do_not_guess():
     local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({0}), lean=1.0)
     upstream = FakeUpstream("Paris is nice.", chars_per_token=5, delay_s=0.2)

@@ -118,18 +118,6 @@ def test_recent_values_keep_the_quantiles_of_the_newest_values(draw):
             assert window.quantile(q) == pytest.approx(np.quantile(newest, q))
 
 
-@pytest.mark.parametrize("name", ["learned", "target_fraction"])
-def test_a_step_decided_again_after_a_guess_enters_the_window_once(name):
-    router = train(synthetic(50, 0), [0.2], "sha", {})
-    windows = SharedWindows()
-    policy = build_policy(name, target_fraction=0.2, router=router, windows=windows, threshold_from="traffic")
-    step = signal_of(np.array([2.0, 1.0, 0.0, -1.0]), 3)
-    for _ in range(3):
-        policy.decide(step, RoutingState(answer_tokens=3))
-    policy.decide(signal_of(np.array([2.0, 1.0, 0.0, -1.0]), 4), RoutingState(answer_tokens=4))
-    assert len(windows.scores if name == "learned" else windows.entropies) == 2
-
-
 def test_threshold_from_traffic_is_asked_with_a_share_of_a_learned_policy():
     alias = RoutingSettings(policy="learned", threshold=0.4, router="router.json")
     asked = resolve_routing(alias, RoutingOverride(target_fraction=0.1, threshold_from="traffic"))

@@ -8,8 +8,9 @@ carries on. A failed or refused hand-off decodes the step locally instead.
 
 Each request decodes on a sequence of its own in the local model's batched engine. While a greedy request's hand-off is in flight it keeps decoding
 the local model's own greedy guess; if the upstream writes what the guess began with, the rest of
-the guess is kept (each kept step still passes the policy, as it would have in turn), otherwise it
-is dropped and the next forward rewinds the sequence.
+the guess is kept (each kept step still passes the policy, as it would have in turn, and the first
+it routes is handed off as decided, with no second forward or decision), otherwise it is dropped
+and the next forward rewinds the sequence.
 
 A request's penalties and logit_bias adjust the local logits before anything reads them. Under a
 grammar (`response_format` JSON) every local token is one the grammar allows, an upstream span is
@@ -113,6 +114,7 @@ class Guess:
     token: int
     logits: np.ndarray
     signal: Signal
+    decision: Decision | None = None  # once the policy routed the step
 
 
 @dataclass
@@ -181,6 +183,7 @@ class Decoding:
         # the per-step prices are worked out only for a policy that weighs them, and need the ceiling's prompt count
         self._reads_prices = request.policy.reads_prices and request.ceiling is not None
         self._hidden: np.ndarray | None = None  # the latest forward's hidden state
+        self._routed_guess: Guess | None = None  # a guessed step the policy routed: the next step, decided already
         self._grammar: Grammar | None = local.grammar(request.grammar) if request.grammar else None
 
     @staticmethod
@@ -245,6 +248,9 @@ class Decoding:
             yield Piece(tail, (), self.sources[-1] if self.sources else LOCAL, None)
 
     async def _step(self, sequence: Sequence) -> list[Piece]:
+        if self._routed_guess is not None:  # decided once: a policy's window must see each step once
+            guess, self._routed_guess = self._routed_guess, None
+            return await self._upstream_step(sequence, guess.logits, guess.signal, guess.decision)
         logits = await self._forward(sequence, self.answer_tokens)
         signal = self._signal(logits, len(self.answer_tokens))
         decision = self._decide(signal)
@@ -292,6 +298,7 @@ class Decoding:
         if got is None:
             return None
         self.usage.escalated = self.usage.afresh = True
+        self._routed_guess = None  # a step of the answer it replaces
         self.usage.discarded_tokens = len(self.answer_tokens)
         self._handoff = handoff
         self.answer_tokens, self.sources, self.answer_bytes = [], [], bytearray()
@@ -484,7 +491,11 @@ class Decoding:
             return []
         pieces, answered = [], len(self.answer_tokens)
         for guess in guesses[len(written):]:
-            if self.finish_reason is not None or self._decide(guess.signal).upstream:
+            if self.finish_reason is not None:
+                break
+            decision = self._decide(guess.signal)
+            if decision.upstream:
+                self._routed_guess = dataclasses.replace(guess, decision=decision)
                 break
             pieces.append(self._accept(guess.token, guess.logits, guess.signal))
         self.usage.guess_kept_tokens += len(self.answer_tokens) - answered
