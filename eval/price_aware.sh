@@ -48,3 +48,10 @@ run=price_csqa_system1500_frontier-openai
 $EVAL run --dataset csqa --rows 0:200 --run-name "$run" --warm --block 5 --router $CSQA_ROUTER \
   --decision-sheet frontier-openai --system data/system_prompt_assistant.md \
   --configs local upstream learned@0.05 learned@0.05,value=1
+
+# HumanEval, all 164, the mixed router at 5% from traffic priced on frontier-openai (these ~170-token
+# prompts are under its cache minimum, so every hand-off re-bills the prompt), beside the same router
+# price-blind in the run eval/mixed.sh makes (local and upstream-only there too)
+$EVAL run --dataset humaneval --rows 0:164 --run-name mixed_traffic_humaneval_tail8 --block 4 --threads 2 \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai \
+  --configs learned@0.05,from=traffic,value=1
