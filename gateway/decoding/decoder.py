@@ -591,7 +591,8 @@ class Decoding:
         """
         before = len(self.answer_bytes)
         keep = self._retokenized_from()
-        kept_bytes = sum(len(self.local.token_bytes(t)) for t in self.answer_tokens[:keep])
+        # the answer's bytes are its tokens' bytes, so the kept prefix ends where the tail's begin
+        kept_bytes = before - sum(len(self.local.token_bytes(t)) for t in self.answer_tokens[keep:])
         self.answer_bytes += text.encode("utf-8")
         tokens = self.answer_tokens[:keep] + self.local.tokenize_text(bytes(self.answer_bytes[kept_bytes:]))
         if len(tokens) > self.limit:
