@@ -1,17 +1,23 @@
-"""Which field keeps a request off the token-level path (unit: the request schema and blocker_of)."""
+"""Which field keeps a request off the token-level path, and what admitting it holds (unit: the
+request schema, blocker_of, admit)."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 
-from gateway.admission.passthrough import blocker_of, check_media, check_tools
+from adapters.store import MemoryStore, RateLimits
+from gateway.admission.budget import Ledger
+from gateway.admission.passthrough import admit, blocker_of, check_media, check_tools
+from gateway.admission.tenants import Tenant
 from gateway.api.errors import InvalidRequest
 from gateway.api.schemas import ChatCompletionRequest
-from gateway.settings import ServerSettings
+from gateway.settings import RateLimitSettings, ServerSettings, TenantSettings
 
 USER = {"role": "user", "content": "Hi"}
+NOW = 1_790_000_000.0
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
@@ -80,3 +86,28 @@ def test_tool_calls_in_the_conversation_must_be_of_a_served_type():
         check_tools(body, ["function"], ServerSettings())
     assert caught.value.param == "messages[1].tool_calls[1].type"
     check_tools(body, ["function", "custom"], ServerSettings())
+
+
+class ReserveInFlight(MemoryStore):
+    """A MemoryStore whose reserve never answers (the reply still in flight when the client leaves)."""
+
+    async def reserve(self, reservation, limits, now, ttl_s=0.0):
+        await asyncio.Event().wait()
+
+
+async def test_a_pass_through_that_ends_before_its_reservation_gives_its_parallel_slot_back():
+    store, one = ReserveInFlight(), RateLimits(max_parallel=1)
+    runtime = SimpleNamespace(ledger=Ledger(store, clock=lambda: NOW), settings=SimpleNamespace(server=ServerSettings()))
+    tenant = Tenant("t", TenantSettings(id="t", api_key_env="T_KEY", rate_limits=RateLimitSettings(max_parallel=1)))
+    whole = SimpleNamespace(count_chat_tokens=lambda params: asyncio.sleep(0, 10), reads=lambda medium: False)
+    upstream = SimpleNamespace(available=True, whole=whole, neutral=str, estimate_cost=lambda prompt, answers: 0.0,
+                               settings=SimpleNamespace(kind="openai", tool_types=["function"], passthrough_timeout_s=60))
+    alias = SimpleNamespace(upstream=upstream, settings=SimpleNamespace(unsupported=None))
+    body = request(tools=[{"type": "function", "function": {"name": "f"}}])
+    admitting = asyncio.ensure_future(admit(runtime, tenant, alias, body, blocker_of(body, max_tokens_limit=64)))
+    await asyncio.sleep(0.01)
+    assert await store.admit("t", "r2", one, 0, NOW) is not None  # refused: the pass-through holds the one slot
+    admitting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await admitting
+    assert await store.admit("t", "r2", one, 0, NOW) is None
