@@ -40,7 +40,7 @@ class RoutingState:
     handoff_price_usd: float = 0.0  # of the next hand-off, reading what its prefix may from a cache
     direct_price_usd: float = 0.0  # of asking the upstream directly for the whole answer
     rest_price_usd: float = 0.0  # of the upstream writing the rest of the answer in one call
-    rest_tokens: int = 0  # answer tokens still allowed
+    rest_tokens: int = 0  # answer tokens still expected (recent answers as long; else all still allowed)
 
 
 @dataclass(frozen=True)

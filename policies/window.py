@@ -33,15 +33,22 @@ class RecentValues:
         above = min(below + 1, len(self._sorted) - 1)
         return self._sorted[below] + (position - below) * (self._sorted[above] - self._sorted[below])
 
+    def mean_excess(self, over: float) -> float | None:
+        """How far the values held above `over` exceed it, on average; None when none is above."""
+        above = self._sorted[bisect.bisect_right(self._sorted, over):]
+        return sum(above) / len(above) - over if above else None
+
 
 @dataclass
 class SharedWindows:
     """What the policies of one tenant on one alias calibrate their thresholds on, together: recent
-    step entropies (target_fraction) and recent router scores (learned with its threshold taken
-    from traffic). A tenant's requests share them whatever their target (the values do not depend
+    step entropies (target_fraction), recent router scores (learned with its threshold taken
+    from traffic), and recent answers' lengths (how much of an answer a priced decision expects is
+    still to come). A tenant's requests share them whatever their target (the values do not depend
     on it); two tenants never do, or one tenant's traffic would move the other's thresholds."""
 
     entropies: RecentValues = field(default_factory=lambda: RecentValues(256))
     # a router's scores are rarely high (the share routed is small): a longer memory keeps the
     # upper quantile steady, and spans several long answers
     scores: RecentValues = field(default_factory=lambda: RecentValues(2048))
+    answer_lengths: RecentValues = field(default_factory=lambda: RecentValues(64))  # answer tokens

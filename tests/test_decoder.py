@@ -14,7 +14,8 @@ from gateway.admission.budget import HandoffGate, Ledger
 from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import Sampling
-from policies import build_policy
+from policies import LOCAL, RecentValues, build_policy
+from policies.base import PolicyDefaults
 from tests.fakes import FakeLocalModel, FakeUpstream
 
 VOCAB = ["Par", "is", "Paris", " is", " nice", " big", *sorted(set("Paris is nice big."))]
@@ -129,6 +130,35 @@ async def test_price_aware_routing_keeps_steps_local_that_are_not_worth_their_pr
     text = "".join(p.text for p in await run(decoding))
     assert text == "Paris is big." and upstream.calls == []
     assert decoding.usage.price_vetoes == len(decoding.answer_tokens) + 1  # and the end-of-answer step
+
+
+class PricesSeen(PolicyDefaults):
+    """Keeps every step local and remembers the priced states it was shown."""
+
+    name, reads_prices = "prices_seen", True
+
+    def __init__(self) -> None:
+        self.states = []
+
+    def decide(self, signal, state):
+        self.states.append(state)
+        return LOCAL
+
+
+async def test_a_priced_answer_expects_the_rest_that_recent_answers_longer_than_it_wrote():
+    lengths, seen = RecentValues(), PricesSeen()
+    for length in (2, 5, 9):
+        lengths.add(length)
+    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=20, policy=seen,
+                            ceiling=ceiling(None), answer_lengths=lengths)
+    decoding = Decoding(FakeLocalModel(VOCAB, "Paris is big. Paris is nice. Paris is big."), FakeUpstream(""), HandoffGate(
+        Ledger(MemoryStore()), "t", Limits(), allowed=True), request)
+    await run(decoding)
+    rests = [(s.answer_tokens, s.rest_tokens) for s in seen.states]
+    # at 0 tokens, (2 + 5 + 9) / 3 still to come; at 3, 5 and 9 wrote (2 + 6) / 2 more; at 9, the 20 allowed less 9
+    assert rests[:4] == [(0, 5), (1, 4), (2, 5), (3, 4)] and rests[8:10] == [(8, 1), (9, 11)]
+    held = [lengths.quantile(q) for q in (0, 1 / 3, 2 / 3, 1)]
+    assert sorted(held) == sorted([2, 5, 9, len(decoding.answer_tokens)])  # and this answer joins them
 
 
 async def test_choices_share_one_ceiling_as_asking_directly_bills_their_prompt_once():

@@ -116,6 +116,9 @@ def test_recent_values_keep_the_quantiles_of_the_newest_values(draw):
         assert len(window) == len(newest)
         for q in (0.0, 0.37, 0.9, 1.0):
             assert window.quantile(q) == pytest.approx(np.quantile(newest, q))
+        for over in (-9.0, 0.0, 1.0, 4.0):
+            above = newest[newest > over]
+            assert window.mean_excess(over) == (pytest.approx(above.mean() - over) if above.size else None)
 
 
 def test_threshold_from_traffic_is_asked_with_a_share_of_a_learned_policy():

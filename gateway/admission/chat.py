@@ -194,6 +194,7 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | Com
         rules=LogitRules.of(body.presence_penalty, body.frequency_penalty, body.logit_bias), grammar=grammar,
         ceiling=ceiling, on_ceiling=routing.on_ceiling, choice=choice,
         answer_check=alias.answer_check, escalate_below=routing.escalate_below or None, held=not body.stream,
+        answer_lengths=alias.windows(gate.tenant).answer_lengths,
     )
     try:
         decoding = Decoding(alias.local, alias.continuations, gate, request)

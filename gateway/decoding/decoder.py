@@ -49,7 +49,7 @@ from gateway.decoding.spans import cut_span
 from gateway.decoding.text_stream import TextReleaser
 from policies import LOCAL as LOCAL_STEP
 from policies import UPSTREAM as UPSTREAM_STEP
-from policies import Decision, Policy, RoutingState, Signal
+from policies import Decision, Policy, RecentValues, RoutingState, Signal
 from policies.answer_check import AnswerCheck, AnswerStats
 
 LOCAL, UPSTREAM, CACHE = "local", "upstream", "cache"
@@ -105,6 +105,9 @@ class DecodeRequest:
     answer_check: AnswerCheck | None = None  # rates the finished answer (usage.routing.answer_confidence)
     escalate_below: float | None = None  # a held answer rated below this is asked afresh
     held: bool = False  # nothing is shown before the answer is complete (the request does not stream)
+    # the lengths of recent answers like this one (the tenant's on the alias): this answer's length
+    # joins them, and a priced decision expects as much still to come as those longer than it wrote
+    answer_lengths: RecentValues | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,8 @@ class Decoding:
         finally:
             if self.request.ceiling is not None:  # the answer's length, for the report's cost_ratio
                 self.request.ceiling.note(self.request.choice, len(self.answer_tokens))
+            if self.request.answer_lengths is not None and self.finish_reason is not None:
+                self.request.answer_lengths.add(len(self.answer_tokens))
             if self._warming is not None:
                 self._warming.cancel()
                 await asyncio.gather(self._warming, return_exceptions=True)
@@ -340,15 +345,25 @@ class Decoding:
         the upstream's count of the request's prompt plus the answer's local tokens (no second
         tokenization per step), and at least the previous call's, whose prefix the provider's
         cache may read; a warm-up in flight has paid for reading the prompt into it already (the
-        hand-off waits for it), so decisions weigh what is left to pay."""
+        hand-off waits for it), so decisions weigh what is left to pay. The answer is expected to
+        run as long as recent answers that ran longer than it has (the limit, before there are any):
+        priced at the limit, a short answer's direct price is inflated several times over, and with
+        it what a hand-off may cost and how many more the rest of the answer seems to need."""
         prices, prompt = self.upstream.prices, self.request.ceiling.prompt_tokens
         reused = max(self._reusable_tokens, prompt if self._warming is not None else 0)
-        call_prompt, rest = max(prompt + state.answer_tokens, reused), self.limit - state.answer_tokens
+        call_prompt, rest = max(prompt + state.answer_tokens, reused), self._expected_rest(state.answer_tokens)
         return dataclasses.replace(
             state, rest_tokens=rest,
             handoff_price_usd=prices.predicted(call_prompt, self.request.span, reused),
-            direct_price_usd=prices.direct(prompt, self.limit),
+            direct_price_usd=prices.direct(prompt, state.answer_tokens + rest),
             rest_price_usd=prices.predicted(call_prompt, rest, reused))
+
+    def _expected_rest(self, answered: int) -> int:
+        """Answer tokens still to come: on average, what recent answers longer than `answered` wrote
+        past it, within the limit; all the limit allows when there are none."""
+        allowed = self.limit - answered
+        excess = self.request.answer_lengths.mean_excess(answered) if self.request.answer_lengths else None
+        return allowed if excess is None else min(allowed, max(1, round(excess)))
 
     @property
     def _capped_cost(self) -> bool:
