@@ -55,3 +55,27 @@ $EVAL run --dataset csqa --rows 0:200 --run-name "$run" --warm --block 5 --route
 $EVAL run --dataset humaneval --rows 0:164 --run-name mixed_traffic_humaneval_tail8 --block 4 --threads 2 \
   --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai \
   --configs learned@0.05,from=traffic,value=1
+
+# The same after priced decisions expect an answer as long as recent answers run (before: as long
+# as max_tokens allows, 384 here against a median answer of 178): local, upstream-only and the
+# price-blind router copied from the run above, which they do not depend on
+run=price_humaneval_expected_length
+mkdir -p "results/runs/$run"
+for config in local upstream learned@0.05,from=traffic; do
+  cp -n "results/runs/mixed_traffic_humaneval_tail8/humaneval__$config.jsonl" "results/runs/$run/"
+done
+$EVAL run --dataset humaneval --rows 0:164 --run-name "$run" --block 4 --threads 2 \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai \
+  --configs learned@0.05,from=traffic,value=1
+$EVAL report --dataset humaneval --run-name "$run" --paired
+
+# GSM8K rows 0-29 the same way (the GSM8K router, 512 tokens allowed): local, upstream-only and the
+# price-blind router copied from price_gsm8k_frontier-openai
+run=price_gsm8k_expected_length
+mkdir -p "results/runs/$run"
+for config in upstream local learned@0.05; do
+  cp -n "results/runs/price_gsm8k_frontier-openai/gsm8k__$config.jsonl" "results/runs/$run/"
+done
+$EVAL run --dataset gsm8k --rows 0:30 --max-tokens 512 --run-name "$run" --warm --block 2 --router $GSM8K_ROUTER \
+  --decision-sheet frontier-openai --configs learned@0.05,value=1
+$EVAL report --dataset gsm8k --rows 0:30 --run-name "$run" --paired
