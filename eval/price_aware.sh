@@ -14,12 +14,14 @@ EVAL=".venv/bin/python -m eval"
 CSQA_ROUTER=routers/csqa-divergent-qwen2.5-coder-0.5b.json
 GSM8K_ROUTER=routers/gsm8k-qwen2.5-coder-0.5b.json
 
+copied() {  # into-run, from-run, dataset, configs...: records the run's change does not touch
+  mkdir -p "results/runs/$1"
+  for config in "${@:4}"; do cp -n "results/runs/$2/$3__$config.jsonl" "results/runs/$1/"; done
+}
+
 csqa() {  # sheet, configs...
   local run="price_csqa_$1"
-  mkdir -p "results/runs/$run"
-  for config in upstream local learned@0.05 learned@0.1; do
-    cp -n "results/runs/learned_divergent/csqa__$config.jsonl" "results/runs/$run/"
-  done
+  copied "$run" learned_divergent csqa upstream local learned@0.05 learned@0.1
   $EVAL run --dataset csqa --rows 0:200 --run-name "$run" --warm --block 10 --router $CSQA_ROUTER \
     --decision-sheet "$1" --configs "${@:2}"
 }
@@ -27,10 +29,7 @@ csqa frontier-openai learned@0.05,value=1 learned@0.1,value=1
 csqa deepseek learned@0.05,value=1
 
 run=price_gsm8k_frontier-openai
-mkdir -p "results/runs/$run"
-for config in upstream local learned@0.05; do
-  cp -n "results/runs/learned_gsm8k/gsm8k__$config.jsonl" "results/runs/$run/"
-done
+copied "$run" learned_gsm8k gsm8k upstream local learned@0.05
 $EVAL run --dataset gsm8k --rows 0:30 --max-tokens 512 --run-name "$run" --warm --block 2 --router $GSM8K_ROUTER \
   --decision-sheet frontier-openai --configs learned@0.05,value=1
 
@@ -60,10 +59,7 @@ $EVAL run --dataset humaneval --rows 0:164 --run-name mixed_traffic_humaneval_ta
 # as max_tokens allows, 384 here against a median answer of 178): local, upstream-only and the
 # price-blind router copied from the run above, which they do not depend on
 run=price_humaneval_expected_length
-mkdir -p "results/runs/$run"
-for config in local upstream learned@0.05,from=traffic; do
-  cp -n "results/runs/mixed_traffic_humaneval_tail8/humaneval__$config.jsonl" "results/runs/$run/"
-done
+copied "$run" mixed_traffic_humaneval_tail8 humaneval local upstream learned@0.05,from=traffic
 $EVAL run --dataset humaneval --rows 0:164 --run-name "$run" --block 4 --threads 2 \
   --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai \
   --configs learned@0.05,from=traffic,value=1
@@ -72,10 +68,7 @@ $EVAL report --dataset humaneval --run-name "$run" --paired
 # GSM8K rows 0-29 the same way (the GSM8K router, 512 tokens allowed): local, upstream-only and the
 # price-blind router copied from price_gsm8k_frontier-openai
 run=price_gsm8k_expected_length
-mkdir -p "results/runs/$run"
-for config in upstream local learned@0.05; do
-  cp -n "results/runs/price_gsm8k_frontier-openai/gsm8k__$config.jsonl" "results/runs/$run/"
-done
+copied "$run" price_gsm8k_frontier-openai gsm8k upstream local learned@0.05
 $EVAL run --dataset gsm8k --rows 0:30 --max-tokens 512 --run-name "$run" --warm --block 2 --router $GSM8K_ROUTER \
   --decision-sheet frontier-openai --configs learned@0.05,value=1
 $EVAL report --dataset gsm8k --rows 0:30 --run-name "$run" --paired
