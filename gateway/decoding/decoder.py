@@ -362,7 +362,8 @@ class Decoding:
         """Answer tokens still to come: on average, what recent answers longer than `answered` wrote
         past it, within the limit; all the limit allows when there are none."""
         allowed = self.limit - answered
-        excess = self.request.answer_lengths.mean_excess(answered) if self.request.answer_lengths else None
+        lengths = self.request.answer_lengths
+        excess = None if lengths is None else lengths.mean_excess(answered)  # None too while none ran longer
         return allowed if excess is None else min(allowed, max(1, round(excess)))
 
     @property
