@@ -17,6 +17,8 @@
                           the run's --decision-sheet
     ...,ceiling=R[,on=escalate]
                           a cost ceiling (routing.max_cost_ratio R; on_ceiling local unless given)
+    ...,escalation=afresh an escalated answer is asked of the upstream afresh instead of continued
+                          (routing.escalation; answers are held, as a request that does not stream)
     local,afresh=P  <policy>@<value>,...,afresh=P
                           the answer check (--check) asks the upstream afresh for an answer whose
                           chance of being correct is below P (routing.escalate_below P)
@@ -47,6 +49,7 @@ class ConfigSpec:
     answer_value: float | None = None
     max_cost_ratio: float | None = None
     on_ceiling: str = "local"
+    escalation: str = "continue"  # how an escalated answer is finished: continue | afresh
     escalate_below: float | None = None  # the answer check's bar (afresh=P)
     threshold_from: str = "router"  # learned: the router's fitted threshold, or traffic's (from=traffic)
     # the recent values thresholds calibrate on, shared by all items of the config as the gateway
@@ -98,17 +101,19 @@ def parse_config(text: str) -> ConfigSpec:
     if policy in ("target_fraction", "learned") and not 0 < number <= 1:
         raise ValueError(f"bad config {text!r}: a target share is in (0, 1]")
     given = dict(option.partition("=")[::2] for option in options)
-    if set(given) - {"span", "until", "value", "ceiling", "on", "afresh", "from"} \
+    if set(given) - {"span", "until", "value", "ceiling", "on", "escalation", "afresh", "from"} \
             or given.get("until", "tokens") not in SPAN_RULES or given.get("on", "local") not in ("local", "escalate") \
+            or given.get("escalation", "continue") not in ("continue", "afresh") \
             or given.get("from", "router") not in ("router", "traffic") or ("from" in given and policy != "learned"):
         raise ValueError(f"bad config {text!r}: options are span=<tokens>, until=<{'|'.join(SPAN_RULES)}>, "
-                         "value=<answer value>, ceiling=<cost ratio>, on=<local|escalate>, afresh=<P> and "
+                         "value=<answer value>, ceiling=<cost ratio>, on=<local|escalate>, "
+                         "escalation=<continue|afresh>, afresh=<P> and "
                          "(learned only) from=<router|traffic>")
     value, ceiling = given.get("value"), given.get("ceiling")
     return ConfigSpec(text, policy, number, int(given.get("span", 1)), given.get("until", "tokens"),
                       None if value is None else float(value), None if ceiling is None else float(ceiling),
-                      given.get("on", "local"), _afresh(text, "afresh=" + given["afresh"]) if "afresh" in given else None,
-                      given.get("from", "router"))
+                      given.get("on", "local"), given.get("escalation", "continue"),
+                      _afresh(text, "afresh=" + given["afresh"]) if "afresh" in given else None, given.get("from", "router"))
 
 
 def _afresh(text: str, option: str) -> float:

@@ -72,3 +72,22 @@ copied "$run" price_gsm8k_frontier-openai gsm8k upstream local learned@0.05
 $EVAL run --dataset gsm8k --rows 0:30 --max-tokens 512 --run-name "$run" --warm --block 2 --router $GSM8K_ROUTER \
   --decision-sheet frontier-openai --configs learned@0.05,value=1
 $EVAL report --dataset gsm8k --rows 0:30 --run-name "$run" --paired
+
+# Escalations asked afresh (routing.escalation: afresh; the answers are held, as a request that
+# does not stream): the same config as above on GSM8K rows 0-29, where the landed records showed
+# the upstream continuing the local opening right on 7 of 26 escalated answers and asked afresh on
+# 13; the records the change does not touch copied
+run=price_gsm8k_escalate_afresh
+copied "$run" price_gsm8k_expected_length gsm8k upstream local learned@0.05 learned@0.05,value=1
+$EVAL run --dataset gsm8k --rows 0:30 --max-tokens 512 --run-name "$run" --warm --block 2 --router $GSM8K_ROUTER \
+  --decision-sheet frontier-openai --configs learned@0.05,value=1,escalation=afresh
+$EVAL report --dataset gsm8k --rows 0:30 --run-name "$run" --paired
+
+# ... and on the mixed router's report rows 100-199 (nothing was fitted or chosen on them; the
+# escalation mode was chosen from the records above), beside the price-blind router decoded there
+run=price_mixed_gsm8k_escalate_afresh
+copied "$run" mixed_traffic_gsm8k_tail8 gsm8k upstream local learned@0.05,from=traffic
+$EVAL run --dataset gsm8k --rows 100:200 --max-tokens 512 --run-name "$run" --warm --block 2 --threads 2 \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai \
+  --configs learned@0.05,from=traffic,value=1,escalation=afresh
+$EVAL report --dataset gsm8k --rows 100:200 --run-name "$run" --paired

@@ -140,7 +140,8 @@ async def evaluate(models: Models, plan: RunPlan, spec: ConfigSpec, item: Item,
     ceiling = CostCeiling(spec.max_cost_ratio, models.upstream.prices, 0) if priced else None
     request = DecodeRequest(messages=item.messages, max_tokens=plan.max_tokens, policy=policy,
                             span=spec.span(plan.max_tokens), span_until=spec.until, grammar=grammar,
-                            ceiling=ceiling, on_ceiling=spec.on_ceiling, answer_check=models.check,
+                            ceiling=ceiling, on_ceiling=spec.on_ceiling, escalation=spec.escalation,
+                            answer_check=models.check,
                             escalate_below=spec.escalate_below, held=True, answer_lengths=spec.windows.answer_lengths)
     record: dict[str, Any] = {"id": item.id, "row": item.row, "config": spec.name, "dataset": plan.dataset,
                               "gold": item.gold}

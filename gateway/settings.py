@@ -99,6 +99,11 @@ class RoutingSettings(Strict):
     early_escalation: bool = Field(
         True, description="With answer_value: when the hand-offs the running rate predicts would cost at least the "
         "upstream writing the rest of the answer, hand the rest over in one call.")
+    escalation: Escalation = Field(
+        "continue", description="How an escalated answer (early_escalation, on_ceiling: escalate) that does not "
+        "stream is finished: continue (the upstream writes the rest after the answer so far) or afresh (the answer so "
+        "far is thrown away and the upstream answers the prompt in one call, usage.routing.afresh). A streamed answer "
+        "always continues: its text has been shown.")
     answer_check: str | None = Field(
         None, description="Answer check file (python -m eval answer-check), fitted for this alias's local model: "
         "rates each finished answer's chance of being correct (usage.routing.answer_confidence).")
@@ -130,6 +135,7 @@ class RoutingSettings(Strict):
 
 PolicyName = Literal["never", "always", "entropy", "top1", "margin", "target_fraction", "learned", "first"]
 OnCeiling = Literal["local", "escalate"]
+Escalation = Literal["continue", "afresh"]
 SpanRule = Literal["tokens", "word", "line", "sentence"]
 
 
@@ -151,6 +157,8 @@ class RoutingOverride(Strict):
                                        "worth, in multiples of asking the upstream directly.")
     early_escalation: bool | None = Field(None, description="With answer_value: escalate when the running rate of "
                                           "hand-offs predicts they would cost more than the upstream writing the rest.")
+    escalation: Escalation | None = Field(None, description="How an escalated answer that does not stream is "
+                                          "finished: continue (after the answer so far) or afresh (asked anew).")
     escalate_below: float | None = Field(None, ge=0, le=1, description="Ask the upstream afresh for an answer that "
                                          "does not stream and that the alias's answer check rates below this; 0: never.")
 

@@ -123,6 +123,7 @@ class FakeUpstream:
     target: str
     chars_per_token: int = 2
     fail: bool = False
+    fail_after: int | None = None  # calls after this many fail
     delay_s: float = 0.0
     available: bool = True
     worst_case_s: float = 1.0
@@ -157,7 +158,7 @@ class FakeUpstream:
         self.extras.append(extra or {})
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        if self.fail:
+        if self.fail or (self.fail_after is not None and len(self.calls) > self.fail_after):
             raise UpstreamUnavailable("scripted failure")
         rest = self.target[len(handoff.answer):] if self.target.startswith(handoff.answer) else ""
         text = rest[: max_tokens * self.chars_per_token]

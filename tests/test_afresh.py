@@ -35,11 +35,11 @@ def constant(confidence: float) -> AnswerCheck:
 
 def decoding(check: AnswerCheck | None, below: float | None, held: bool = True, upstream: FakeUpstream | None = None,
              policy: str = "never", limits: Limits = Limits(), ceiling: CostCeiling | None = None,
-             store: MemoryStore | None = None) -> Decoding:
-    local = FakeLocalModel(VOCAB, "Paris is nice.")
+             store: MemoryStore | None = None, local: FakeLocalModel | None = None, **policy_kw) -> Decoding:
+    local = local or FakeLocalModel(VOCAB, "Paris is nice.")
     upstream = upstream or FakeUpstream("Paris is big.", chars_per_token=20)
     gate = HandoffGate(Ledger(store or MemoryStore()), "t", limits, allowed=True)
-    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=20, policy=build_policy(policy),
+    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=20, policy=build_policy(policy, **policy_kw),
                             answer_check=check, escalate_below=below, held=held, ceiling=ceiling)
     return Decoding(local, upstream, gate, request)
 
@@ -114,6 +114,16 @@ async def test_the_cost_ceiling_holds_for_the_fresh_call():
     await text_of(run)
     assert not run.usage.afresh and "cost_ceiling" in run.usage.degraded
     assert run.request.ceiling.spent_usd <= run.request.ceiling.direct_usd() + 1e-12
+
+
+async def test_an_answer_the_upstream_finished_by_escalating_is_not_asked_afresh_again():
+    upstream = FakeUpstream("Paris is big.", chars_per_token=1)
+    unsure = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset(range(20)))
+    run = decoding(constant(0.3), below=0.5, upstream=upstream, policy="always", local=unsure,
+                   ceiling=CostCeiling(None, upstream.prices, 0), answer_value=1000.0)
+    assert await text_of(run) == "Paris is big."
+    assert run.usage.escalated and not run.usage.afresh and run.usage.answer_confidence == 0.3
+    assert all(call.answer for call in upstream.calls[1:])  # each call continued the answer; none began anew
 
 
 def test_stats_of_signals_match_those_an_evaluation_record_keeps():

@@ -59,6 +59,9 @@ def test_price_aware_routing_escalates_a_costly_run_of_hand_offs_and_skips_unwor
     escalated = routed(client, answer_value=1000)
     assert escalated["escalated"] and escalated["local_tokens"] == 0 and escalated["price_vetoes"] == 0
     assert escalated["upstream_calls"] == 4  # three one-token hand-offs set the running rate, then the rest
+    fresh = routed(client, answer_value=1000, escalation="afresh")  # held (not streamed): asked anew instead
+    assert fresh["escalated"] and fresh["afresh"] and fresh["discarded_tokens"] == 3 and fresh["local_tokens"] == 0
+    assert fresh["upstream_calls"] == 4
     worthless = routed(client, answer_value=1e-6)  # no step is worth a millionth of the answer's price
     assert worthless["upstream_calls"] == 0 and worthless["price_vetoes"] >= worthless["local_tokens"] > 0
 
@@ -66,7 +69,7 @@ def test_price_aware_routing_escalates_a_costly_run_of_hand_offs_and_skips_unwor
 @pytest.mark.parametrize(("routing", "param"), [
     ({"max_cost_ratio": 0}, "routing.max_cost_ratio"), ({"max_cost_ratio": "cheap"}, "routing.max_cost_ratio"),
     ({"on_ceiling": "panic"}, "routing.on_ceiling"), ({"answer_value": -1}, "routing.answer_value"),
-    ({"early_escalation": "maybe"}, "routing.early_escalation"),
+    ({"early_escalation": "maybe"}, "routing.early_escalation"), ({"escalation": "restart"}, "routing.escalation"),
 ])
 def test_bad_values_are_a_400_naming_the_field(client, routing, param):
     with pytest.raises(openai.BadRequestError) as caught:

@@ -22,12 +22,14 @@ VOCAB = ["Par", "is", "Paris", " is", " nice", " big", *sorted(set("Paris is nic
 
 
 def make(local, upstream, policy="always", max_tokens=20, span=1, stop=(), limits=Limits(), store=None,
-         span_until="tokens", grammar=None, prompt=None, ceiling=None, on_ceiling="local", choice=0, **kw):
+         span_until="tokens", grammar=None, prompt=None, ceiling=None, on_ceiling="local", choice=0,
+         escalation="continue", held=False, **kw):
     store = store or MemoryStore()
     gate = HandoffGate(Ledger(store), "t", limits, allowed=True)
     request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=max_tokens,
                             policy=build_policy(policy, **kw), span=span, stop=stop, span_until=span_until,
-                            grammar=grammar, prompt=prompt, ceiling=ceiling, on_ceiling=on_ceiling, choice=choice)
+                            grammar=grammar, prompt=prompt, ceiling=ceiling, on_ceiling=on_ceiling, choice=choice,
+                            escalation=escalation, held=held)
     return Decoding(local, upstream, gate, request), store
 
 
@@ -121,6 +123,48 @@ async def test_price_aware_routing_hands_the_rest_over_once_hand_offs_cost_more_
     text = "".join(p.text for p in await run(decoding))
     assert text == "Paris is nice." and decoding.usage.escalated and decoding.usage.price_vetoes == 0
     assert len(upstream.calls) == decoding.usage.upstream_calls == 4  # three at a token each, then the rest
+
+
+async def test_an_escalated_held_answer_is_asked_afresh_when_the_request_says_so():
+    upstream = FakeUpstream("Paris is nice.")
+    unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)))
+    decoding, _ = make(unsure, upstream, ceiling=ceiling(None), answer_value=1000.0, escalation="afresh", held=True)
+    pieces = await run(decoding)
+    assert "".join(p.text for p in pieces) == "Paris is nice."
+    usage = decoding.usage
+    assert usage.escalated and usage.afresh and usage.discarded_tokens > 0
+    assert [call.answer for call in upstream.calls][::3] == ["", ""]  # three hand-offs, then the prompt alone
+    assert len(upstream.calls) == usage.upstream_calls == 4
+    assert all(p.source == "upstream" for p in pieces if p.tokens)  # nothing of the discarded answer shown
+    invariant(decoding)
+
+
+async def test_a_streamed_answer_escalates_by_continuing_whatever_the_request_says():
+    upstream = FakeUpstream("Paris is nice.")
+    unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)))
+    decoding, _ = make(unsure, upstream, ceiling=ceiling(None), answer_value=1000.0, escalation="afresh", held=False)
+    assert "".join(p.text for p in await run(decoding)) == "Paris is nice."
+    assert decoding.usage.escalated and not decoding.usage.afresh and upstream.calls[-1].answer != ""
+
+
+async def test_an_escalation_past_the_ceiling_is_asked_afresh_in_full():
+    upstream = FakeUpstream("Paris is nice.")
+    decoding, _ = make(FakeLocalModel(VOCAB, "Rome"), upstream, ceiling=ceiling(1.0), on_ceiling="escalate",
+                       escalation="afresh", held=True)
+    assert "".join(p.text for p in await run(decoding)) == "Paris is nice."
+    assert decoding.usage.afresh and upstream.calls[-1].answer == ""
+    assert len(upstream.calls) == 2 and "cost_ceiling" in decoding.usage.degraded
+
+
+async def test_a_failed_fresh_escalation_finishes_the_answer_locally_without_asking_again():
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=1, fail_after=3)
+    unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0)
+    decoding, _ = make(unsure, upstream, ceiling=ceiling(None), answer_value=1000.0, escalation="afresh", held=True)
+    text = "".join(p.text for p in await run(decoding))
+    assert not decoding.usage.afresh and decoding.usage.upstream_calls == 3 and len(upstream.calls) == 4
+    assert text == "Paris is big." and decoding.source_counts()["local"] > 0 and decoding.finish_reason == "stop"
+    assert "upstream_unavailable" in decoding.usage.degraded
+    invariant(decoding)
 
 
 async def test_price_aware_routing_keeps_steps_local_that_are_not_worth_their_price():

@@ -59,8 +59,11 @@ def test_config_names():
         parse_config("entropy")
     priced = parse_config("learned@0.05,value=0.5,ceiling=1,on=escalate")
     assert (priced.answer_value, priced.max_cost_ratio, priced.on_ceiling) == (0.5, 1.0, "escalate")
-    with pytest.raises(ValueError):
-        parse_config("top1@0.5,on=panic")
+    assert priced.escalation == "continue"
+    assert parse_config("learned@0.05,value=1,escalation=afresh").escalation == "afresh"
+    for bad in ("top1@0.5,on=panic", "top1@0.5,escalation=restart"):
+        with pytest.raises(ValueError):
+            parse_config(bad)
 
 
 def test_merging_records_replaces_those_ids_and_keeps_the_others(tmp_path):

@@ -192,7 +192,7 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | Com
         span=routing.span, span_until=routing.span_until, continue_final=chat and body.continue_final_message,
         logprobs=logprobs, top_logprobs=top_logprobs,
         rules=LogitRules.of(body.presence_penalty, body.frequency_penalty, body.logit_bias), grammar=grammar,
-        ceiling=ceiling, on_ceiling=routing.on_ceiling, choice=choice,
+        ceiling=ceiling, on_ceiling=routing.on_ceiling, escalation=routing.escalation, choice=choice,
         answer_check=alias.answer_check, escalate_below=routing.escalate_below or None, held=not body.stream,
         answer_lengths=alias.windows(gate.tenant).answer_lengths,
     )

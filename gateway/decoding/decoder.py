@@ -22,7 +22,11 @@ request's answer check (policies/answer_check.py) rates the finished answer's ch
 correct below `escalate_below`, the answer is thrown away and the upstream writes the whole answer
 in one call, as if asked directly; if that call fails, the local answer stands. A check fitted on
 answers' first K tokens (`at_tokens`) rates the answer as soon as it has them, so one asked afresh
-is not finished locally first.
+is not finished locally first. With `escalation: afresh` a held answer that escalates (the price
+rule, or the cost ceiling with `on_ceiling: escalate`) is asked afresh the same way instead of
+continued: a small model's opening lines can lead the large one astray (on GSM8K the upstream
+continuing them was right on 7 of 26 escalated answers, asked afresh on 13); if that call fails or
+would pass the ceiling, the answer is finished locally.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class DecodeRequest:
     prompt: str | None = None  # raw text to continue instead of `messages` (legacy completions), as plain text
     ceiling: CostCeiling | None = None  # shared by the request's choices; None without an upstream
     on_ceiling: str = "local"  # local | escalate: what a hand-off past the ceiling becomes
+    escalation: str = "continue"  # continue | afresh: how an escalated held answer is finished
     choice: int = 0
     answer_check: AnswerCheck | None = None  # rates the finished answer (usage.routing.answer_confidence)
     escalate_below: float | None = None  # a held answer rated below this is asked afresh
@@ -215,7 +220,8 @@ class Decoding:
         if self._may_route() and self.upstream.warms and self.request.policy.wants_warm_up and not self._capped_cost:
             self._warming = asyncio.ensure_future(self._call_upstream(self._handoff, 0))
         check = self.request.answer_check
-        held: list[Piece] | None = [] if self.request.held and check else None  # shown once checked
+        # shown once checked, or once finished when an escalation may replace it
+        held: list[Piece] | None = [] if self.request.held and (check or self._escalates_afresh) else None
         signals: list[Signal] = []  # what the check rates
         try:
             async with self.local.sequence(self.prompt_tokens, self.gate.cache_scope,
@@ -223,7 +229,11 @@ class Decoding:
                                            speculate=self.request.sampling.greedy) as sequence:
                 while True:
                     while self.finish_reason is None and not self._rating_due():
-                        for piece in await self._step(sequence):
+                        answered_afresh = self.usage.afresh
+                        pieces = await self._step(sequence)
+                        if self.usage.afresh and not answered_afresh:  # the step replaced the answer
+                            held, signals = [], []
+                        for piece in pieces:
                             if check is not None and piece.signal is not None:
                                 signals.append(piece.signal)
                             if held is None:
@@ -276,20 +286,21 @@ class Decoding:
         confidence = self.request.answer_check.confidence(stats)
         self.usage.answer_confidence = round(confidence, 4)
         below = self.request.escalate_below
-        if not held or below is None or confidence >= below or self._upstream_closed:
-            return None
+        if not held or below is None or confidence >= below or self._upstream_closed or self.usage.escalated:
+            return None  # ... or the upstream has written the answer's end already
         if not self.upstream.available:
             self.usage.degrade("upstream_unavailable")
             return None
         return await self._afresh(sequence, signals[0] if signals else None)
 
-    async def _afresh(self, sequence: Sequence, first: Signal | None) -> list[Piece] | None:
+    async def _afresh(self, sequence: Sequence, first: Signal | None, bounded: bool = True) -> list[Piece] | None:
         """The upstream's answer to the prompt alone, in one call, replacing the answer so far;
-        None (the answer stands) when the call fails, is refused, or would pass the cost ceiling."""
+        None (the answer stands) when the call fails, is refused, or would pass the cost ceiling
+        (unless not `bounded`: an escalation past the ceiling, as on_ceiling: escalate allows)."""
         handoff = self.upstream.with_answer(self._handoff, "")
         span = self.limit if self._grammar is None else min(self.limit, GRAMMAR_SPAN)
         hold = 0.0
-        if self._capped_cost:
+        if self._capped_cost and bounded:
             hold = self.request.ceiling.hold(self.request.choice, 0, self.upstream.estimate_prompt_tokens(handoff), span)
             if hold is None:
                 self.usage.degrade("cost_ceiling")
@@ -367,6 +378,11 @@ class Decoding:
         return allowed if excess is None else min(allowed, max(1, round(excess)))
 
     @property
+    def _escalates_afresh(self) -> bool:
+        """An escalation asks afresh: the answer is held (nothing shown) and the request says so."""
+        return self.request.held and self.request.escalation == "afresh"
+
+    @property
     def _capped_cost(self) -> bool:
         """A cost ceiling is set: no warm-up call, whose prompt the first hand-off would pay again."""
         return self.request.ceiling is not None and self.request.ceiling.ratio is not None
@@ -421,11 +437,15 @@ class Decoding:
         span = max(1, rest if self.usage.escalated or escalating else min(self.request.span, rest, room))
         if self._grammar is not None:
             span = min(span, GRAMMAR_SPAN)
+        if escalating and self._escalates_afresh:
+            return await self._escalated_afresh(sequence, logits, signal, bounded=True)
         self._handoff = self.upstream.with_answer(self._handoff, self.text.text)
         held = self._hold_under_ceiling(span)
         if held is None:
             if self.request.on_ceiling != "escalate":
                 return [await self._local_step(logits, signal)]
+            if self._escalates_afresh:
+                return await self._escalated_afresh(sequence, logits, signal, bounded=False)
             escalating = True
             span = max(1, rest if self._grammar is None else min(rest, GRAMMAR_SPAN))
         self.usage.escalated = self.usage.escalated or escalating
@@ -448,6 +468,17 @@ class Decoding:
         else:
             pieces = [await self._append_upstream(sequence, *got, signal)]
         return pieces + self._keep_guesses(before, guesses)
+
+    async def _escalated_afresh(self, sequence: Sequence, logits: np.ndarray, signal: Signal,
+                                bounded: bool) -> list[Piece]:
+        """The fresh answer that replaces this one; where it cannot be had (the call failed, was
+        refused or would pass the ceiling), this step and the rest of the answer decode locally,
+        rather than the whole answer being asked for again at every step."""
+        fresh = await self._afresh(sequence, signal, bounded)
+        if fresh is not None:
+            return fresh
+        self._upstream_closed = True
+        return [await self._local_step(logits, signal)]
 
     def _hold_under_ceiling(self, span: int) -> float | None:
         """The worst case of this hand-off, held against the request's cost ceiling (0 with none,
