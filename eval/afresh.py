@@ -81,7 +81,7 @@ def derived(base: Sequence[dict[str, Any]], upstream: Sequence[dict[str, Any]], 
             continue
         rated = stats[record["id"]]
         confidence = check.confidence(rated)
-        if confidence < escalate_below:
+        if confidence < escalate_below and not record.get("escalated"):  # the upstream finished it already
             out = _escalated(record, fresh[record["id"]], rated.answer_tokens)
         else:
             out = {**record, "afresh": False}

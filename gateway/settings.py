@@ -109,7 +109,8 @@ class RoutingSettings(Strict):
         "rates each finished answer's chance of being correct (usage.routing.answer_confidence).")
     escalate_below: float | None = Field(
         None, ge=0, le=1, description="With answer_check: an answer that does not stream and is rated below this is "
-        "thrown away and asked of the upstream afresh, in one call (usage.routing.afresh); null: never.")
+        "thrown away and asked of the upstream afresh, in one call (usage.routing.afresh); null: never. An answer the "
+        "upstream finished by escalating is not rated.")
 
     @model_validator(mode="before")
     @classmethod

@@ -122,8 +122,21 @@ async def test_an_answer_the_upstream_finished_by_escalating_is_not_asked_afresh
     run = decoding(constant(0.3), below=0.5, upstream=upstream, policy="always", local=unsure,
                    ceiling=CostCeiling(None, upstream.prices, 0), answer_value=1000.0)
     assert await text_of(run) == "Paris is big."
-    assert run.usage.escalated and not run.usage.afresh and run.usage.answer_confidence == 0.3
+    assert run.usage.escalated and not run.usage.afresh and run.usage.answer_confidence is None
     assert all(call.answer for call in upstream.calls[1:])  # each call continued the answer; none began anew
+
+
+async def test_an_answer_replaced_by_a_fresh_escalation_is_not_rated_with_the_discarded_ones_signals():
+    upstream = FakeUpstream("Paris is big.", chars_per_token=1)
+    unsure = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset(range(20)), lean=2.0)
+    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=20,
+                            policy=build_policy("always", answer_value=1000.0), answer_check=constant(0.3),
+                            escalate_below=0.5, held=True, escalation="afresh",
+                            ceiling=CostCeiling(None, upstream.prices, 0))
+    run = Decoding(unsure, upstream, HandoffGate(Ledger(MemoryStore()), "t", Limits(), allowed=True), request)
+    pieces = [piece async for piece in run.pieces()]
+    assert "".join(p.text for p in pieces) == "Paris is big." and [p.source for p in pieces if p.tokens] == ["upstream"]
+    assert run.usage.afresh and run.usage.answer_confidence is None and len(upstream.calls) == 4
 
 
 def test_stats_of_signals_match_those_an_evaluation_record_keeps():

@@ -133,7 +133,8 @@ async def test_an_escalated_held_answer_is_asked_afresh_when_the_request_says_so
     assert "".join(p.text for p in pieces) == "Paris is nice."
     usage = decoding.usage
     assert usage.escalated and usage.afresh and usage.discarded_tokens > 0
-    assert [call.answer for call in upstream.calls][::3] == ["", ""]  # three hand-offs, then the prompt alone
+    answers = [call.answer for call in upstream.calls]
+    assert answers[0] == "" and all(answers[1:3]) and answers[3] == ""  # three hand-offs, then the prompt alone
     assert len(upstream.calls) == usage.upstream_calls == 4
     assert all(p.source == "upstream" for p in pieces if p.tokens)  # nothing of the discarded answer shown
     invariant(decoding)
@@ -154,6 +155,22 @@ async def test_an_escalation_past_the_ceiling_is_asked_afresh_in_full():
     assert "".join(p.text for p in await run(decoding)) == "Paris is nice."
     assert decoding.usage.afresh and upstream.calls[-1].answer == ""
     assert len(upstream.calls) == 2 and "cost_ceiling" in decoding.usage.degraded
+
+
+@pytest.mark.parametrize(("on_ceiling", "asked_afresh"), [("local", False), ("escalate", True)])
+async def test_a_fresh_escalation_past_the_ceiling_is_made_only_where_on_ceiling_escalates(on_ceiling, asked_afresh):
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=1)
+    unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0)
+    limit = ceiling(3.0)  # room for three one-token hand-offs, not for the whole answer on top of them
+    decoding, _ = make(unsure, upstream, ceiling=limit, answer_value=1000.0, escalation="afresh", held=True,
+                       max_tokens=6, on_ceiling=on_ceiling)
+    text = "".join(p.text for p in await run(decoding))
+    assert decoding.usage.afresh == asked_afresh and limit.held_usd == 0 and "cost_ceiling" in decoding.usage.degraded
+    if asked_afresh:  # the prompt alone, then (the fake writing a character a token) its continuations
+        assert upstream.calls[3].answer == "" and all(decoding.sources) and decoding.source_counts()["local"] == 0
+    else:  # nothing after the three hand-offs: finished locally
+        assert len(upstream.calls) == 3 and text == "Paris is big."
+    invariant(decoding)
 
 
 async def test_a_failed_fresh_escalation_finishes_the_answer_locally_without_asking_again():

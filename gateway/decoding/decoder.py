@@ -25,8 +25,9 @@ answers' first K tokens (`at_tokens`) rates the answer as soon as it has them, s
 is not finished locally first. With `escalation: afresh` a held answer that escalates (the price
 rule, or the cost ceiling with `on_ceiling: escalate`) is asked afresh the same way instead of
 continued: a small model's opening lines can lead the large one astray (on GSM8K the upstream
-continuing them was right on 7 of 26 escalated answers, asked afresh on 13); if that call fails or
-would pass the ceiling, the answer is finished locally.
+continuing them was right on 7 of 26 escalated answers, asked afresh on 13); if that call fails,
+or would pass the ceiling under `on_ceiling: local`, the answer is finished locally. An answer the
+upstream finished by escalating is neither rated by the check nor asked afresh again.
 """
 
 from __future__ import annotations
@@ -240,8 +241,8 @@ class Decoding:
                                 yield piece
                             else:
                                 held.append(piece)
-                    if check is None or self.usage.answer_confidence is not None:
-                        break  # no check, or rated already: the answer is finished
+                    if check is None or self.usage.answer_confidence is not None or self._upstream_finished:
+                        break  # no check, rated already, or the upstream's answer: the answer is finished
                     fresh = await self._checked(sequence, signals, held is not None)
                     if fresh is not None:
                         held = fresh
@@ -277,7 +278,7 @@ class Decoding:
         """Whether an unfinished answer has reached the tokens its check rates."""
         check = self.request.answer_check
         return (check is not None and check.at_tokens is not None and self.usage.answer_confidence is None
-                and len(self.answer_tokens) >= check.at_tokens)
+                and not self.usage.escalated and len(self.answer_tokens) >= check.at_tokens)
 
     async def _checked(self, sequence: Sequence, signals: list[Signal], held: bool) -> list[Piece] | None:
         """Rate the finished answer; if it is held and below the bar, ask the upstream afresh and
@@ -286,8 +287,8 @@ class Decoding:
         confidence = self.request.answer_check.confidence(stats)
         self.usage.answer_confidence = round(confidence, 4)
         below = self.request.escalate_below
-        if not held or below is None or confidence >= below or self._upstream_closed or self.usage.escalated:
-            return None  # ... or the upstream has written the answer's end already
+        if not held or below is None or confidence >= below or self._upstream_closed:
+            return None
         if not self.upstream.available:
             self.usage.degrade("upstream_unavailable")
             return None
@@ -300,11 +301,14 @@ class Decoding:
         handoff = self.upstream.with_answer(self._handoff, "")
         span = self.limit if self._grammar is None else min(self.limit, GRAMMAR_SPAN)
         hold = 0.0
-        if self._capped_cost and bounded:
+        if self._capped_cost:
             hold = self.request.ceiling.hold(self.request.choice, 0, self.upstream.estimate_prompt_tokens(handoff), span)
             if hold is None:
                 self.usage.degrade("cost_ceiling")
-                return None
+                if bounded:
+                    self.request.ceiling.note(self.request.choice, len(self.answer_tokens))  # the answer stands
+                    return None
+                hold = 0.0  # past the ceiling, as on_ceiling: escalate allows
         billed_before = self.usage.upstream_cost_usd
         try:
             got = await self._uncut_continuation(handoff, span)
@@ -378,6 +382,11 @@ class Decoding:
         return allowed if excess is None else min(allowed, max(1, round(excess)))
 
     @property
+    def _upstream_finished(self) -> bool:
+        """The upstream wrote the answer's end in an escalation (or the whole answer afresh)."""
+        return self.usage.escalated and bool(self.sources) and self.sources[-1] != LOCAL
+
+    @property
     def _escalates_afresh(self) -> bool:
         """An escalation asks afresh: the answer is held (nothing shown) and the request says so."""
         return self.request.held and self.request.escalation == "afresh"
@@ -437,8 +446,8 @@ class Decoding:
         span = max(1, rest if self.usage.escalated or escalating else min(self.request.span, rest, room))
         if self._grammar is not None:
             span = min(span, GRAMMAR_SPAN)
-        if escalating and self._escalates_afresh:
-            return await self._escalated_afresh(sequence, logits, signal, bounded=True)
+        if escalating and self._escalates_afresh:  # as the ceiling allows; past it only if on_ceiling escalates
+            return await self._escalated_afresh(sequence, logits, signal, self.request.on_ceiling != "escalate")
         self._handoff = self.upstream.with_answer(self._handoff, self.text.text)
         held = self._hold_under_ceiling(span)
         if held is None:
