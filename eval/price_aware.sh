@@ -91,3 +91,13 @@ $EVAL run --dataset gsm8k --rows 100:200 --max-tokens 512 --run-name "$run" --wa
   --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai \
   --configs learned@0.05,from=traffic,value=1,escalation=afresh
 $EVAL report --dataset gsm8k --rows 100:200 --run-name "$run" --paired
+
+# IFEval's 50 untouched rows (150-199), where the price-blind mixed router gained nothing (24.0%,
+# as local; upstream-only 38.0%) at 10 calls a question: the same router price-aware, escalations
+# asked afresh
+run=price_mixed_ifeval_escalate_afresh
+copied "$run" mixed_traffic_ifeval ifeval upstream local learned@0.05,from=traffic
+$EVAL run --dataset ifeval --rows 150:200 --run-name "$run" --block 4 --threads 2 \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai \
+  --configs learned@0.05,from=traffic,value=1,escalation=afresh
+$EVAL report --dataset ifeval --rows 150:200 --run-name "$run" --paired
