@@ -101,3 +101,12 @@ $EVAL run --dataset ifeval --rows 150:200 --run-name "$run" --block 4 --threads 
   --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai \
   --configs learned@0.05,from=traffic,value=1,escalation=afresh
 $EVAL report --dataset ifeval --rows 150:200 --run-name "$run" --paired
+
+# HumanEval, all 164, the same way: the records said continuing was as accurate there and cheaper
+run=price_humaneval_escalate_afresh
+copied "$run" price_humaneval_expected_length humaneval upstream local learned@0.05,from=traffic \
+  learned@0.05,from=traffic,value=1
+$EVAL run --dataset humaneval --rows 0:164 --run-name "$run" --block 4 --threads 2 \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai \
+  --configs learned@0.05,from=traffic,value=1,escalation=afresh
+$EVAL report --dataset humaneval --run-name "$run" --paired
