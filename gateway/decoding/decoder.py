@@ -296,8 +296,8 @@ class Decoding:
 
     async def _afresh(self, sequence: Sequence, first: Signal | None, bounded: bool = True) -> list[Piece] | None:
         """The upstream's answer to the prompt alone, in one call, replacing the answer so far;
-        None (the answer stands) when the call fails, is refused, or would pass the cost ceiling
-        (unless not `bounded`: an escalation past the ceiling, as on_ceiling: escalate allows)."""
+        None (the answer stands) when the call fails, is refused, or, if `bounded`, would pass the
+        cost ceiling."""
         handoff = self.upstream.with_answer(self._handoff, "")
         span = self.limit if self._grammar is None else min(self.limit, GRAMMAR_SPAN)
         hold = 0.0
@@ -446,15 +446,15 @@ class Decoding:
         span = max(1, rest if self.usage.escalated or escalating else min(self.request.span, rest, room))
         if self._grammar is not None:
             span = min(span, GRAMMAR_SPAN)
-        if escalating and self._escalates_afresh:  # as the ceiling allows; past it only if on_ceiling escalates
-            return await self._escalated_afresh(sequence, logits, signal, self.request.on_ceiling != "escalate")
+        if escalating and self._escalates_afresh:
+            return await self._escalated_afresh(sequence, logits, signal)
         self._handoff = self.upstream.with_answer(self._handoff, self.text.text)
         held = self._hold_under_ceiling(span)
         if held is None:
             if self.request.on_ceiling != "escalate":
                 return [await self._local_step(logits, signal)]
             if self._escalates_afresh:
-                return await self._escalated_afresh(sequence, logits, signal, bounded=False)
+                return await self._escalated_afresh(sequence, logits, signal)
             escalating = True
             span = max(1, rest if self._grammar is None else min(rest, GRAMMAR_SPAN))
         self.usage.escalated = self.usage.escalated or escalating
@@ -478,12 +478,11 @@ class Decoding:
             pieces = [await self._append_upstream(sequence, *got, signal)]
         return pieces + self._keep_guesses(before, guesses)
 
-    async def _escalated_afresh(self, sequence: Sequence, logits: np.ndarray, signal: Signal,
-                                bounded: bool) -> list[Piece]:
-        """The fresh answer that replaces this one; where it cannot be had (the call failed, was
-        refused or would pass the ceiling), this step and the rest of the answer decode locally,
-        rather than the whole answer being asked for again at every step."""
-        fresh = await self._afresh(sequence, signal, bounded)
+    async def _escalated_afresh(self, sequence: Sequence, logits: np.ndarray, signal: Signal) -> list[Piece]:
+        """The fresh answer that replaces this one, past the cost ceiling only under on_ceiling:
+        escalate (as a continued escalation may pass it); where it cannot be had, this step and the
+        rest of the answer decode locally, rather than the whole answer being asked again each step."""
+        fresh = await self._afresh(sequence, signal, bounded=self.request.on_ceiling != "escalate")
         if fresh is not None:
             return fresh
         self._upstream_closed = True
