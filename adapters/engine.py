@@ -53,6 +53,7 @@ GATHER_S = 0.02  # how long a step waits for sequences that just got logits to c
 SHARE_MIN_TOKENS = 4  # a shorter shared prefix is cheaper to evaluate again than to wait for
 IDLE_KEPT = 1  # finished sequences whose tokens stay for reuse: every cell widens every step's attention
 THREADPOOL_POLL = 0  # ggml's polling level between graphs: spinning threads would starve the event loop
+FLASH_ATTN = {True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED, False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
 
 class QueueFull(Exception):
@@ -103,11 +104,11 @@ class Engine:
     """Owns the llama.cpp context and its step loop; safe to share across requests."""
 
     def __init__(self, llm: Llama, n_ctx: int, parallel: int, n_threads: int, n_batch: int,
-                 queue_limit: int) -> None:
+                 queue_limit: int, flash_attn: bool = True) -> None:
         self.n_ctx = n_ctx  # per sequence
         self.n_vocab = llm.n_vocab()
         self.n_embd = llama_cpp.llama_model_n_embd_out(llm._model.model)  # noqa: SLF001 - the hidden state's size
-        self._context = _batched_context(llm, n_ctx * parallel, parallel, n_threads, n_batch)
+        self._context = _batched_context(llm, n_ctx * parallel, parallel, n_threads, n_batch, flash_attn)
         self._ctx = self._context.ctx
         self._threadpool = Threadpool(n_threads)
         self._threadpool.attach(self._ctx)
@@ -488,11 +489,13 @@ class Threadpool:
         self._cpu.ggml_threadpool_free(self.pool)
 
 
-def _batched_context(llm: Llama, n_ctx: int, parallel: int, n_threads: int, n_batch: int) -> internals.LlamaContext:
+def _batched_context(llm: Llama, n_ctx: int, parallel: int, n_threads: int, n_batch: int,
+                     flash_attn: bool) -> internals.LlamaContext:
     """A context over `llm`'s weights holding `parallel` sequences in one unified KV cache (so
     sequences can share prefix cells)."""
     params = llama_cpp.llama_context_params.from_buffer_copy(llm.context_params)
     params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx, parallel, True
     params.n_batch = params.n_ubatch = n_batch
     params.n_threads = params.n_threads_batch = n_threads
+    params.flash_attn_type = FLASH_ATTN[flash_attn]
     return internals.LlamaContext(model=llm._model, params=params, verbose=False)  # noqa: SLF001

@@ -52,10 +52,10 @@ class LocalModel:
 
     @classmethod
     async def load(cls, path: Path, n_ctx: int, n_threads: int, n_batch: int, queue_limit: int,
-                   parallel: int = 1, look_ahead: bool = True) -> "LocalModel":
+                   parallel: int = 1, look_ahead: bool = True, flash_attn: bool = True) -> "LocalModel":
         """Load `path` (off the event loop) with an engine of `parallel` sequences of `n_ctx`
-        tokens each, evaluating greedy sequences' next tokens ahead if `look_ahead`. Raises
-        LocalModelError with one line."""
+        tokens each, evaluating greedy sequences' next tokens ahead if `look_ahead`, with llama.cpp's
+        flash attention if `flash_attn`. Raises LocalModelError with one line."""
 
         def build() -> Llama:
             # This Llama's own context stays tiny: the engine decodes in a context of its own.
@@ -64,7 +64,7 @@ class LocalModel:
 
         try:
             llm = await asyncio.get_running_loop().run_in_executor(None, build)
-            engine = Engine(llm, n_ctx, parallel, n_threads, n_batch, queue_limit)
+            engine = Engine(llm, n_ctx, parallel, n_threads, n_batch, queue_limit, flash_attn)
             engine.speculation = look_ahead
         except (ValueError, RuntimeError) as exc:
             raise LocalModelError(f"cannot load model {path}: {exc}") from exc

@@ -11,10 +11,10 @@ drift hits all alike; the medians over repeats are printed as ms per step and as
 to the tool.
 
   tool ctx   llama_decode through llama-cpp-python's ctypes bindings, in a context set as the
-             tool sets its own: n_ctx 8192, batch = ubatch = 512, flash attention auto
-  fa off     the same with flash attention off (llama-cpp-python's default, and the engine's)
+             tool sets its own: n_ctx 8192, batch = ubatch = 512, flash attention auto (on, on CPUs)
+  fa off     the same with flash attention off (llama-cpp-python's default)
   engine ctx the engine's own context (adapters/engine.py: n_ctx 1024, unified KV cache, batch =
-             ubatch = 512, flash attention off, its threadpool attached)
+             ubatch = 512, flash attention on, its threadpool attached)
   engine     Sequence.forward from an event loop, one token at a time (the engine thread's step
              loop and its hand-over to the event loop), without the engine's guess of the next
              greedy token
@@ -22,6 +22,8 @@ to the tool.
              without guesses
   look-ahead the same decoder as served: the engine evaluates each greedy token before the
              decoder asks for it, so the hand-over and the decoder's work overlap the next step
+  served, fa off  the same with the engine's flash attention off (`flash_attn: false`, as served
+             before it was on)
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class Variant:
 def variants() -> list[Variant]:
     off, auto = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED, llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
     return [Variant("tool ctx", 8192, auto, 50), Variant("fa off", 8192, off, 50),
-            Variant("engine ctx", 1024, off, engine_module.THREADPOOL_POLL)]
+            Variant("engine ctx", 1024, engine_module.FLASH_ATTN[True], engine_module.THREADPOOL_POLL)]
 
 
 class RawStream:
@@ -145,7 +147,7 @@ def tool_ms(model: Path, threads: int, steps: int) -> float:
     return 1000 / llama_batched_bench(model, threads, PROMPT_TOKENS, steps, [1])[1].s_tg
 
 
-SIDES = ("tool", *(variant.name for variant in variants()), "engine", "decoder", "look-ahead")
+SIDES = ("tool", *(variant.name for variant in variants()), "engine", "decoder", "look-ahead", "served, fa off")
 
 
 def side_ms(side: str, model: Path, threads: int, steps: int) -> float:
@@ -162,8 +164,9 @@ def side_ms(side: str, model: Path, threads: int, steps: int) -> float:
             return stream.steps_ms(prompt, steps)
         finally:
             stream.close()
-    local = asyncio.run(LocalModel.load(model, n_ctx=1024, n_threads=threads, n_batch=512, queue_limit=8))
-    local.engine.speculation = side == "look-ahead"
+    local = asyncio.run(LocalModel.load(model, n_ctx=1024, n_threads=threads, n_batch=512, queue_limit=8,
+                                        flash_attn=side != "served, fa off"))
+    local.engine.speculation = side in ("look-ahead", "served, fa off")
     try:
         engine_ms(local, prompt, 8)
         return engine_ms(local, prompt, steps) if side == "engine" else decoder_ms(local, steps)
@@ -192,12 +195,14 @@ def main() -> None:
             measured[side].append(float(child.stdout.strip().splitlines()[-1]))
     print(f"{args.model}, {args.threads} threads, {PROMPT_TOKENS}-token prompt, {args.tokens} steps, "
           f"{args.repeat} repeats taken in turn, each side in a process of its own")
-    print("side        ms/step  speed/tool  repeats (ms/step; speed/tool is the median of each repeat's ratio)")
+    print("side            ms/step  speed/tool  repeats (ms/step; speed/tool is the median of each repeat's ratio)")
     for side, values in measured.items():
         ratio = statistics.median(tool / ms for tool, ms in zip(measured["tool"], values))
-        print(f"{side:10s}  {statistics.median(values):7.2f}  {ratio:10.2f}  {', '.join(f'{v:.2f}' for v in values)}")
+        print(f"{side:14s}  {statistics.median(values):7.2f}  {ratio:10.2f}  {', '.join(f'{v:.2f}' for v in values)}")
     paired = statistics.median(plain / ahead for plain, ahead in zip(measured["decoder"], measured["look-ahead"]))
     print(f"look-ahead / decoder speed, paired per repeat: {paired:.3f}")
+    paired = statistics.median(off / on for off, on in zip(measured["served, fa off"], measured["look-ahead"]))
+    print(f"as served, flash attention on / off speed, paired per repeat: {paired:.3f}")
 
 
 if __name__ == "__main__":

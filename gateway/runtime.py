@@ -87,7 +87,7 @@ class Runtime:
             path = resolve_model(local.gguf)
             self.local_models[name] = await LocalModel.load(
                 path, local.n_ctx, local.n_threads, local.n_batch, settings.server.queue_limit, local.parallel,
-                look_ahead=local.look_ahead)
+                look_ahead=local.look_ahead, flash_attn=local.flash_attn)
         upstreams = {name: await self._upstream(name, up) for name, up in settings.upstreams.items()}
         for name, alias in settings.aliases.items():
             upstream = upstreams[alias.upstream] if alias.upstream else None
