@@ -173,6 +173,34 @@ async def test_a_fresh_escalation_past_the_ceiling_is_made_only_where_on_ceiling
     invariant(decoding)
 
 
+@pytest.mark.parametrize("escalation", ["continue", "afresh"])
+async def test_calls_after_an_escalation_stay_under_the_ceiling_under_on_ceiling_local(escalation):
+    # The fake upstream counts a character a token, so the escalation's call stops short of the
+    # answer's end in local tokens and the answer asks again: those calls are held too.
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=1)
+    unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0)
+    limit = ceiling(4.0)
+    decoding, _ = make(unsure, upstream, ceiling=limit, answer_value=1000.0, escalation=escalation, held=True,
+                       max_tokens=6)
+    await run(decoding)
+    assert decoding.usage.escalated and "cost_ceiling" in decoding.usage.degraded
+    assert limit.held_usd == 0 and limit.spent_usd <= 4.0 * limit.direct_usd()
+    invariant(decoding)
+
+
+async def test_choices_sharing_a_ceiling_stay_under_it_with_fresh_escalations_refused_or_made():
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=1)
+    limit = ceiling(4.0)
+    choices = [make(FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0), upstream,
+                    ceiling=limit, answer_value=1000.0, escalation="afresh", held=True, max_tokens=6, choice=c)[0]
+               for c in (0, 1)]
+    await asyncio.gather(*(run(decoding) for decoding in choices))
+    assert sorted(decoding.usage.afresh for decoding in choices) == [False, True]  # one made, one refused
+    assert all("cost_ceiling" in decoding.usage.degraded for decoding in choices)
+    assert limit.held_usd == 0 and limit.spent_usd <= 4.0 * limit.direct_usd()
+    assert limit.spent_usd == pytest.approx(sum(decoding.usage.upstream_cost_usd for decoding in choices))
+
+
 async def test_a_failed_fresh_escalation_finishes_the_answer_locally_without_asking_again():
     upstream = FakeUpstream("Paris is nice.", chars_per_token=1, fail_after=3)
     unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0)

@@ -490,10 +490,12 @@ class Decoding:
 
     def _hold_under_ceiling(self, span: int) -> float | None:
         """The worst case of this hand-off, held against the request's cost ceiling (0 with none,
-        or once escalated); None past it: the answer stays local from here (on_ceiling: local) and
-        the reason is reported."""
+        or once escalated under on_ceiling: escalate, which may pass it); None past it: the answer
+        stays local from here (on_ceiling: local) and the reason is reported. An escalation's call
+        may stop short of the answer's end (the upstream counts tokens its own way), so the calls
+        after it are held too."""
         ceiling = self.request.ceiling
-        if not self._capped_cost or self.usage.escalated:
+        if not self._capped_cost or (self.usage.escalated and self.request.on_ceiling == "escalate"):
             return 0.0
         held = ceiling.hold(self.request.choice, len(self.answer_tokens),
                             self.upstream.estimate_prompt_tokens(self._handoff), span)
