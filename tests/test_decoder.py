@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from adapters.pricing import Prices
 from adapters.store import Limits, MemoryStore, StoreUnavailable
 from adapters.upstream import UpstreamRejected
 from gateway.admission.budget import HandoffGate, Ledger
@@ -95,6 +96,15 @@ def ceiling(ratio: float) -> CostCeiling:
     return CostCeiling(ratio, FakeUpstream("").prices, prompt_tokens=0)  # the decoding sets the prompt's count
 
 
+def test_a_hand_off_is_held_only_if_the_ceiling_holds_whatever_it_writes():
+    limit = CostCeiling(2.0, Prices(input=1e-6, cached_input=1e-7, output=4e-6), prompt_tokens=100)
+    limit.spent_usd = 1.5e-4  # asking directly: 1e-4 for the prompt, so 0.5e-4 of room
+    # 100 prompt tokens: if the upstream ends the answer at once, 2.5e-4 is billed against 2e-4
+    # allowed, though the 50 tokens it might write would raise the ceiling more than they cost
+    assert limit.hold(0, 0, call_prompt_tokens=100, span=50) is None and limit.held_usd == 0
+    assert limit.hold(0, 0, call_prompt_tokens=40, span=50) == pytest.approx(40e-6 + 50 * 4e-6)
+
+
 async def test_a_cost_ceiling_of_one_keeps_the_answer_within_asking_directly():
     limit = ceiling(1.0)
     decoding, _ = make(FakeLocalModel(VOCAB, "Paris is nice."), FakeUpstream("Paris is nice."), ceiling=limit)
@@ -179,25 +189,25 @@ async def test_calls_after_an_escalation_stay_under_the_ceiling_under_on_ceiling
     # answer's end in local tokens and the answer asks again: those calls are held too.
     upstream = FakeUpstream("Paris is nice.", chars_per_token=1)
     unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0)
-    limit = ceiling(4.0)
+    limit = ceiling(5.0)
     decoding, _ = make(unsure, upstream, ceiling=limit, answer_value=1000.0, escalation=escalation, held=True,
                        max_tokens=6)
     await run(decoding)
     assert decoding.usage.escalated and "cost_ceiling" in decoding.usage.degraded
-    assert limit.held_usd == 0 and limit.spent_usd <= 4.0 * limit.direct_usd()
+    assert limit.held_usd == 0 and limit.spent_usd <= 5.0 * limit.direct_usd()
     invariant(decoding)
 
 
 async def test_choices_sharing_a_ceiling_stay_under_it_with_fresh_escalations_refused_or_made():
     upstream = FakeUpstream("Paris is nice.", chars_per_token=1)
-    limit = ceiling(4.0)
+    limit = ceiling(5.0)
     choices = [make(FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0), upstream,
                     ceiling=limit, answer_value=1000.0, escalation="afresh", held=True, max_tokens=6, choice=c)[0]
                for c in (0, 1)]
     await asyncio.gather(*(run(decoding) for decoding in choices))
     assert sorted(decoding.usage.afresh for decoding in choices) == [False, True]  # one made, one refused
     assert all("cost_ceiling" in decoding.usage.degraded for decoding in choices)
-    assert limit.held_usd == 0 and limit.spent_usd <= 4.0 * limit.direct_usd()
+    assert limit.held_usd == 0 and limit.spent_usd <= 5.0 * limit.direct_usd()
     assert limit.spent_usd == pytest.approx(sum(decoding.usage.upstream_cost_usd for decoding in choices))
 
 

@@ -38,11 +38,21 @@ class CostCeiling:
         """Hold the worst case of a hand-off of this size by choice `choice`, `answered` tokens into
         its answer, if it keeps the request under the ceiling; None if it would not."""
         self.note(choice, answered)
-        worst = self.prices.worst_case(call_prompt_tokens, span)
-        if self.ratio is not None and self.spent_usd + self.held_usd + worst > self.ratio * self.direct_usd(span):
+        if self.ratio is not None and not self._fits(call_prompt_tokens, span):
             return None
+        worst = self.prices.worst_case(call_prompt_tokens, span)
         self.held_usd += worst
         return worst
+
+    def _fits(self, call_prompt_tokens: int, span: int) -> bool:
+        """Whether the request stays under the ceiling whatever the call writes, if the answer ends
+        there. Its bill and what asking directly costs both grow linearly in the tokens it writes,
+        so writing none and writing all `span` bound every outcome: with a ratio above 1 the call
+        that writes nothing binds (its prompt is paid for without the answer's tokens that would
+        raise the ceiling), below 1 the one that writes all."""
+        committed = self.spent_usd + self.held_usd
+        return all(committed + self.prices.worst_case(call_prompt_tokens, written)
+                   <= self.ratio * self.direct_usd(written) for written in (0, span))
 
     def settle(self, held: float, billed_usd: float) -> None:
         """Replace a hold by what the hand-off billed (0 when it failed)."""
