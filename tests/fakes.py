@@ -42,6 +42,7 @@ class FakeLocalModel:
         self.template = FakeTemplate()
         self.prompt_length = 0
         self.forwards: list[list[int]] = []
+        self.pauses = 0  # times the sequence left the batch to wait for an upstream
         self.wants_hidden = False
 
     def tokenize_prompt(self, parts: list[tuple[str, bool]]) -> list[int]:
@@ -78,7 +79,7 @@ class FakeLocalModel:
         yield self
 
     def pause(self) -> None:
-        return None
+        self.pauses += 1
 
     async def forward(self, tokens: list[int]) -> np.ndarray:
         self.forwards.append(list(tokens))

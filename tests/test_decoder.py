@@ -146,6 +146,7 @@ async def test_an_escalated_held_answer_is_asked_afresh_when_the_request_says_so
     answers = [call.answer for call in upstream.calls]
     assert answers[0] == "" and all(answers[1:3]) and answers[3] == ""  # three hand-offs, then the prompt alone
     assert len(upstream.calls) == usage.upstream_calls == 4
+    assert unsure.pauses == 4  # out of the engine's batch during every call, the fresh one too
     assert all(p.source == "upstream" for p in pieces if p.tokens)  # nothing of the discarded answer shown
     invariant(decoding)
 

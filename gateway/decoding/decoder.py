@@ -310,6 +310,7 @@ class Decoding:
                     return None
                 hold = 0.0  # past the ceiling, as on_ceiling: escalate allows
         billed_before = self.usage.upstream_cost_usd
+        sequence.pause()  # for the whole answer's call: the engine must not wait for this request
         try:
             got = await self._uncut_continuation(handoff, span)
         finally:
