@@ -53,7 +53,8 @@ GATHER_S = 0.02  # how long a step waits for sequences that just got logits to c
 SHARE_MIN_TOKENS = 4  # a shorter shared prefix is cheaper to evaluate again than to wait for
 IDLE_KEPT = 1  # finished sequences whose tokens stay for reuse: every cell widens every step's attention
 THREADPOOL_POLL = 0  # ggml's polling level between graphs: spinning threads would starve the event loop
-FLASH_ATTN = {True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED, False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+# on: llama.cpp's auto, as its own tools run (on for CPUs; off where a device cannot run it)
+FLASH_ATTN = {True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
 
 class QueueFull(Exception):

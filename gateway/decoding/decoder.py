@@ -301,6 +301,7 @@ class Decoding:
         handoff = self.upstream.with_answer(self._handoff, "")
         span = self.limit if self._grammar is None else min(self.limit, GRAMMAR_SPAN)
         hold = 0.0
+        sequence.pause()  # for the whole answer's call: the engine must not wait for this request
         if self._capped_cost:
             hold = self.request.ceiling.hold(self.request.choice, 0, self.upstream.estimate_prompt_tokens(handoff), span)
             if hold is None:
@@ -310,7 +311,6 @@ class Decoding:
                     return None
                 hold = 0.0  # past the ceiling, as on_ceiling: escalate allows
         billed_before = self.usage.upstream_cost_usd
-        sequence.pause()  # for the whole answer's call: the engine must not wait for this request
         try:
             got = await self._uncut_continuation(handoff, span)
         finally:
