@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="decode a dataset under several configs (resumable)")
     _common(run)
+    _engine(run)
     run.add_argument("--configs", nargs="*", default=[], help="local, upstream, oracle, <policy>@<value>")
     run.add_argument("--configs-from", type=Path, help="a `calibrate` snippet: run each of its routings")
     run.add_argument("--configs-keys", nargs="*", help="only these entries of the --configs-from snippet")
@@ -86,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
 
     diverge = commands.add_parser("diverge", help="R2R's divergent labels: mismatches that change the prediction")
     _common(diverge)
+    _engine(diverge)
     diverge.add_argument("--max-tokens", type=int, help=f"answer length of the roll-outs (default {MAX_TOKENS})")
     diverge.add_argument("--parallel", type=int, default=4, help="roll-outs decoded at once")
     diverge.add_argument("--n-ctx", type=int, default=2048)
@@ -183,6 +185,13 @@ def _where(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs-dir", type=Path, default=RUNS_DIR)
 
 
+def _engine(parser: argparse.ArgumentParser) -> None:
+    """Options of the local model's engine, for the commands that decode with it."""
+    parser.add_argument("--flash-attn", choices=["on", "off"], default="on",
+                        help="llama.cpp's flash attention in the local engine (runs recorded before 2026-12-04 "
+                             "night decoded with it off)")
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     _where(parser)
     parser.add_argument("--data", type=Path, help="a JSONL of the same shape (default: data/)")
@@ -229,7 +238,7 @@ async def _run_async(args: argparse.Namespace, plan: Any, total: int) -> dict[st
     options = ModelOptions(args.local, args.upstream, args.n_ctx, args.threads, args.input_usd_per_mtok,
                            args.output_usd_per_mtok, upstream_api_base=args.upstream_api_base,
                            parallel=args.parallel, upstream_server=args.upstream_server, warm=args.warm,
-                           router=args.router, check=args.check,
+                           router=args.router, check=args.check, flash_attn=args.flash_attn == "on",
                            sheet=load_sheet(args.decision_sheet) if args.decision_sheet else None)
     models = await open_models(options, with_upstream=any(s.uses_upstream for s in plan.configs))
     try:
@@ -270,7 +279,7 @@ def _meta(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
         "data": str(args.data or "default"), "configs": [s.name for s in plan.configs],
         "local": model(args.local), "upstream": model(args.upstream), "threads": args.threads,
         "upstream_server": args.upstream_server, "warm": args.warm, "router": args.router, "check": args.check,
-        "n_ctx": args.n_ctx, "max_tokens": plan.max_tokens, "greedy": True,
+        "n_ctx": args.n_ctx, "max_tokens": plan.max_tokens, "greedy": True, "flash_attn": args.flash_attn,
         "prices_usd_per_mtok": {"input": args.input_usd_per_mtok, "output": args.output_usd_per_mtok},
         "decision_sheet": args.decision_sheet, "system": str(args.system) if args.system else None,
         "instructions": {"csqa": datasets.CSQA_INSTRUCTION, "gsm8k": datasets.GSM8K_INSTRUCTION},
@@ -349,7 +358,7 @@ async def _diverge_async(args: argparse.Namespace, items: list[Any], analysis: d
     if not items:
         return
     local = await LocalModel.load(resolve_model(args.local, fetch=True), args.n_ctx, args.threads, n_batch=256,
-                                  queue_limit=64, parallel=args.parallel)
+                                  queue_limit=64, parallel=args.parallel, flash_attn=args.flash_attn == "on")
     try:
         for item in tqdm(items, unit="item", mininterval=2.0):
             record = analysis[item.id]

@@ -79,6 +79,7 @@ class ModelOptions:
     router: str | None = None  # a learned router file, checked against the local model
     check: str | None = None  # an answer check file, checked against the local model
     sheet: PriceSheet | None = None  # token prices that replace the assumed ones (what decisions are priced at)
+    flash_attn: bool = True  # llama.cpp's flash attention in the local engine
 
     @property
     def upstream_mode(self) -> str:
@@ -91,7 +92,7 @@ async def open_models(options: ModelOptions, with_upstream: bool) -> Models:
     router = Router.load(options.router, model_sha256(options.local)) if options.router else None
     check = AnswerCheck.load(options.check, model_sha256(options.local)) if options.check else None
     local = await LocalModel.load(local_path, options.n_ctx, options.threads, n_batch=256,
-                                  queue_limit=options.parallel, parallel=options.parallel)
+                                  queue_limit=options.parallel, parallel=options.parallel, flash_attn=options.flash_attn)
     if not with_upstream:
         return Models(local, None, None, local_path, router=router, check=check)
     server = None
