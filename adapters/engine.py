@@ -105,7 +105,7 @@ class Engine:
     """Owns the llama.cpp context and its step loop; safe to share across requests."""
 
     def __init__(self, llm: Llama, n_ctx: int, parallel: int, n_threads: int, n_batch: int,
-                 queue_limit: int, flash_attn: bool = True) -> None:
+                 queue_limit: int, flash_attn: bool) -> None:
         self.n_ctx = n_ctx  # per sequence
         self.n_vocab = llm.n_vocab()
         self.n_embd = llama_cpp.llama_model_n_embd_out(llm._model.model)  # noqa: SLF001 - the hidden state's size

@@ -187,7 +187,7 @@ def _where(parser: argparse.ArgumentParser) -> None:
 
 def _engine(parser: argparse.ArgumentParser) -> None:
     """Options of the local model's engine, for the commands that decode with it."""
-    parser.add_argument("--flash-attn", choices=["on", "off"], default="on",
+    parser.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=True,
                         help="llama.cpp's flash attention in the local engine (runs recorded before 2026-12-04 "
                              "night decoded with it off)")
 
@@ -238,7 +238,7 @@ async def _run_async(args: argparse.Namespace, plan: Any, total: int) -> dict[st
     options = ModelOptions(args.local, args.upstream, args.n_ctx, args.threads, args.input_usd_per_mtok,
                            args.output_usd_per_mtok, upstream_api_base=args.upstream_api_base,
                            parallel=args.parallel, upstream_server=args.upstream_server, warm=args.warm,
-                           router=args.router, check=args.check, flash_attn=args.flash_attn == "on",
+                           router=args.router, check=args.check, flash_attn=args.flash_attn,
                            sheet=load_sheet(args.decision_sheet) if args.decision_sheet else None)
     models = await open_models(options, with_upstream=any(s.uses_upstream for s in plan.configs))
     try:
@@ -358,7 +358,7 @@ async def _diverge_async(args: argparse.Namespace, items: list[Any], analysis: d
     if not items:
         return
     local = await LocalModel.load(resolve_model(args.local, fetch=True), args.n_ctx, args.threads, n_batch=256,
-                                  queue_limit=64, parallel=args.parallel, flash_attn=args.flash_attn == "on")
+                                  queue_limit=64, parallel=args.parallel, flash_attn=args.flash_attn)
     try:
         for item in tqdm(items, unit="item", mininterval=2.0):
             record = analysis[item.id]

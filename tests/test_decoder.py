@@ -92,6 +92,11 @@ async def test_a_raw_prompt_stays_local_when_the_upstream_continues_chats_only()
     assert decoding.usage.degraded == ["upstream_continues_chats_only"]
 
 
+def unsure_local() -> FakeLocalModel:
+    """A local model unsure at every step (a need near 1), its greedy guess still on "Paris is big."."""
+    return FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0)
+
+
 def ceiling(ratio: float) -> CostCeiling:
     return CostCeiling(ratio, FakeUpstream("").prices, prompt_tokens=0)  # the decoding sets the prompt's count
 
@@ -171,7 +176,7 @@ async def test_an_escalation_past_the_ceiling_is_asked_afresh_in_full():
 @pytest.mark.parametrize(("on_ceiling", "asked_afresh"), [("local", False), ("escalate", True)])
 async def test_a_fresh_escalation_past_the_ceiling_is_made_only_where_on_ceiling_escalates(on_ceiling, asked_afresh):
     upstream = FakeUpstream("Paris is nice.", chars_per_token=1)
-    unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0)
+    unsure = unsure_local()
     limit = ceiling(3.0)  # room for three one-token hand-offs, not for the whole answer on top of them
     decoding, _ = make(unsure, upstream, ceiling=limit, answer_value=1000.0, escalation="afresh", held=True,
                        max_tokens=6, on_ceiling=on_ceiling)
@@ -189,7 +194,7 @@ async def test_calls_after_an_escalation_stay_under_the_ceiling_under_on_ceiling
     # The fake upstream counts a character a token, so the escalation's call stops short of the
     # answer's end in local tokens and the answer asks again: those calls are held too.
     upstream = FakeUpstream("Paris is nice.", chars_per_token=1)
-    unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0)
+    unsure = unsure_local()
     limit = ceiling(5.0)
     decoding, _ = make(unsure, upstream, ceiling=limit, answer_value=1000.0, escalation=escalation, held=True,
                        max_tokens=6)
@@ -202,9 +207,8 @@ async def test_calls_after_an_escalation_stay_under_the_ceiling_under_on_ceiling
 async def test_choices_sharing_a_ceiling_stay_under_it_with_fresh_escalations_refused_or_made():
     upstream = FakeUpstream("Paris is nice.", chars_per_token=1)
     limit = ceiling(5.0)
-    choices = [make(FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0), upstream,
-                    ceiling=limit, answer_value=1000.0, escalation="afresh", held=True, max_tokens=6, choice=c)[0]
-               for c in (0, 1)]
+    choices = [make(unsure_local(), upstream, ceiling=limit, answer_value=1000.0, escalation="afresh", held=True,
+                    max_tokens=6, choice=c)[0] for c in (0, 1)]
     await asyncio.gather(*(run(decoding) for decoding in choices))
     assert sorted(decoding.usage.afresh for decoding in choices) == [False, True]  # one made, one refused
     assert all("cost_ceiling" in decoding.usage.degraded for decoding in choices)
@@ -214,7 +218,7 @@ async def test_choices_sharing_a_ceiling_stay_under_it_with_fresh_escalations_re
 
 async def test_a_failed_fresh_escalation_finishes_the_answer_locally_without_asking_again():
     upstream = FakeUpstream("Paris is nice.", chars_per_token=1, fail_after=3)
-    unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0)
+    unsure = unsure_local()
     decoding, _ = make(unsure, upstream, ceiling=ceiling(None), answer_value=1000.0, escalation="afresh", held=True)
     text = "".join(p.text for p in await run(decoding))
     assert not decoding.usage.afresh and decoding.usage.upstream_calls == 3 and len(upstream.calls) == 4
@@ -225,7 +229,7 @@ async def test_a_failed_fresh_escalation_finishes_the_answer_locally_without_ask
 
 async def test_price_aware_routing_keeps_steps_local_that_are_not_worth_their_price():
     upstream = FakeUpstream("Paris is nice.")
-    unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0)
+    unsure = unsure_local()
     decoding, _ = make(unsure, upstream, ceiling=ceiling(None), answer_value=1e-6)
     text = "".join(p.text for p in await run(decoding))
     assert text == "Paris is big." and upstream.calls == []
