@@ -19,6 +19,9 @@
                           a cost ceiling (routing.max_cost_ratio R; on_ceiling local unless given)
     ...,escalation=afresh an escalated answer is asked of the upstream afresh instead of continued
                           (routing.escalation; answers are held, as a request that does not stream)
+    ...,value=V,escalation=draft
+                          ... and no hand-off is made before it escalates: the local model drafts
+                          the answer, the hand-offs the router wants only counted
     local,afresh=P  <policy>@<value>,...,afresh=P
                           the answer check (--check) asks the upstream afresh for an answer whose
                           chance of being correct is below P (routing.escalate_below P)
@@ -49,7 +52,7 @@ class ConfigSpec:
     answer_value: float | None = None
     max_cost_ratio: float | None = None
     on_ceiling: str = "local"
-    escalation: str = "continue"  # how an escalated answer is finished: continue | afresh
+    escalation: str = "continue"  # how an escalated answer is finished: continue | afresh | draft
     escalate_below: float | None = None  # the answer check's bar (afresh=P)
     threshold_from: str = "router"  # learned: the router's fitted threshold, or traffic's (from=traffic)
     # the recent values thresholds calibrate on, shared by all items of the config as the gateway
@@ -103,11 +106,12 @@ def parse_config(text: str) -> ConfigSpec:
     given = dict(option.partition("=")[::2] for option in options)
     if set(given) - {"span", "until", "value", "ceiling", "on", "escalation", "afresh", "from"} \
             or given.get("until", "tokens") not in SPAN_RULES or given.get("on", "local") not in ("local", "escalate") \
-            or given.get("escalation", "continue") not in ("continue", "afresh") \
+            or given.get("escalation", "continue") not in ("continue", "afresh", "draft") \
+            or (given.get("escalation") == "draft" and "value" not in given) \
             or given.get("from", "router") not in ("router", "traffic") or ("from" in given and policy != "learned"):
         raise ValueError(f"bad config {text!r}: options are span=<tokens>, until=<{'|'.join(SPAN_RULES)}>, "
                          "value=<answer value>, ceiling=<cost ratio>, on=<local|escalate>, "
-                         "escalation=<continue|afresh>, afresh=<P> and "
+                         "escalation=<continue|afresh|draft> (draft with value), afresh=<P> and "
                          "(learned only) from=<router|traffic>")
     value, ceiling = given.get("value"), given.get("ceiling")
     return ConfigSpec(text, policy, number, int(given.get("span", 1)), given.get("until", "tokens"),

@@ -198,6 +198,7 @@ def _outcome(dataset: str, item: Item, decoding: Decoding, wall: float, signals:
         "upstream_cost_usd": usage.upstream_cost_usd, "degraded": list(usage.degraded),
         "upstream_predicted_cost_usd": usage.predicted_cost_usd, "cost_ratio": cost_ratio([decoding]),
         "escalated": usage.escalated, "price_vetoes": usage.price_vetoes, "afresh": usage.afresh,
+        "draft_hand_offs": usage.draft_hand_offs,
         "discarded_tokens": usage.discarded_tokens, "answer_confidence": usage.answer_confidence,
         "finish_reason": decoding.finish_reason, "wall_s": round(wall, 4),
         "prompt_tokens": len(decoding.prompt_tokens),

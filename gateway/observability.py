@@ -109,11 +109,15 @@ class Metrics:
         self.escalated = Counter("gateway_escalated_requests",
                                  "Answers whose rest the upstream wrote in one call (at the cost ceiling, or "
                                  "escalated early by price-aware routing).", ["alias"], registry=r)
-        self.afresh = Counter("gateway_afresh_answers", "Answers the answer check rated below escalate_below, "
-                              "thrown away and asked of the upstream afresh.", ["alias"], registry=r)
+        self.afresh = Counter("gateway_afresh_answers", "Answers thrown away and asked of the upstream afresh (the "
+                              "answer check rated them below escalate_below, or they escalated under escalation: "
+                              "afresh or draft).", ["alias"], registry=r)
         self.price_vetoes = Counter("gateway_price_vetoed_steps",
                                     "Steps the policy wanted upstream that price-aware routing kept local (not worth "
                                     "their predicted price).", ["alias"], registry=r)
+        self.draft_hand_offs = Counter("gateway_draft_hand_offs",
+                                       "Hand-offs the policy wanted in a draft (escalation: draft), counted toward "
+                                       "escalating it and not made.", ["alias"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -354,6 +358,9 @@ def _count_answer(record: RequestRecord, admitted: Any) -> None:
     vetoes = sum(decoding.usage.price_vetoes for decoding in admitted.decodings)
     if vetoes:
         metrics.price_vetoes.labels(alias).inc(vetoes)
+    drafted = sum(decoding.usage.draft_hand_offs for decoding in admitted.decodings)
+    if drafted:
+        metrics.draft_hand_offs.labels(alias).inc(drafted)
     ratio = cost_ratio(admitted.decodings)
     if ratio is not None:
         metrics.cost_ratio.labels(alias).observe(ratio)

@@ -106,7 +106,9 @@ class RoutingSettings(Strict):
     escalation: Escalation = Field(
         "continue", description="How an escalated answer (early_escalation, on_ceiling: escalate) that does not "
         "stream is finished: continue (the upstream writes the rest after the answer so far) or afresh (the answer so "
-        "far is thrown away and the upstream answers the prompt in one call, usage.routing.afresh). A streamed answer "
+        "far is thrown away and the upstream answers the prompt in one call, usage.routing.afresh) or draft (as afresh, "
+        "and no hand-off is made before: the ones the policy wants are counted, usage.routing.draft_hand_offs, toward "
+        "early_escalation's running rate, so an answer costs nothing upstream or one direct call). A streamed answer "
         "always continues: its text has been shown.")
     answer_check: str | None = Field(
         None, description="Answer check file (python -m eval answer-check), fitted for this alias's local model: "
@@ -135,12 +137,16 @@ class RoutingSettings(Strict):
             raise ValueError("policy 'first' needs a whole number of tokens >= 1 as its threshold")
         if self.escalate_below and self.answer_check is None:
             raise ValueError("escalate_below needs an answer_check")
+        if self.escalation == "draft" and (self.answer_value is None or not self.early_escalation):
+            raise ValueError(DRAFT_NEEDS)
         return self
 
 
 PolicyName = Literal["never", "always", "entropy", "top1", "margin", "target_fraction", "learned", "first"]
 OnCeiling = Literal["local", "escalate"]
-Escalation = Literal["continue", "afresh"]
+Escalation = Literal["continue", "afresh", "draft"]
+# a draft makes no hand-offs, so nothing else can end it
+DRAFT_NEEDS = "escalation 'draft' needs answer_value with early_escalation"
 SpanRule = Literal["tokens", "word", "line", "sentence"]
 
 
@@ -163,7 +169,8 @@ class RoutingOverride(Strict):
     early_escalation: bool | None = Field(None, description="With answer_value: escalate when the running rate of "
                                           "hand-offs predicts they would cost more than the upstream writing the rest.")
     escalation: Escalation | None = Field(None, description="How an escalated answer that does not stream is "
-                                          "finished: continue (after the answer so far) or afresh (asked anew).")
+                                          "finished: continue (after the answer so far), afresh (asked anew) or draft "
+                                          "(asked anew, no hand-off made before).")
     escalate_below: float | None = Field(None, ge=0, le=1, description="Ask the upstream afresh for an answer that "
                                          "does not stream and that the alias's answer check rates below this; 0: never.")
 

@@ -53,7 +53,7 @@ def test_escalation_hands_the_rest_to_the_upstream_once(tokens_gateway, client):
     assert 'gateway_degraded_requests_total{alias="routed",reason="cost_ceiling"}' in metrics
 
 
-def test_price_aware_routing_escalates_a_costly_run_of_hand_offs_and_skips_unworthy_ones(client):
+def test_price_aware_routing_escalates_a_costly_run_of_hand_offs_and_skips_unworthy_ones(tokens_gateway, client):
     # this upstream bills every prompt token at the input price (no cached price is configured), so
     # a call per token soon costs more than the upstream writing the rest in one call
     escalated = routed(client, answer_value=1000)
@@ -62,6 +62,11 @@ def test_price_aware_routing_escalates_a_costly_run_of_hand_offs_and_skips_unwor
     fresh = routed(client, answer_value=1000, escalation="afresh")  # held (not streamed): asked anew instead
     assert fresh["escalated"] and fresh["afresh"] and fresh["discarded_tokens"] == 3 and fresh["local_tokens"] == 0
     assert fresh["upstream_calls"] == 4
+    drafted = routed(client, answer_value=1000, escalation="draft")  # ... with no hand-off made before
+    assert drafted["afresh"] and drafted["draft_hand_offs"] == 3 and drafted["discarded_tokens"] == 3
+    assert drafted["upstream_calls"] == 1 and drafted["local_tokens"] == 0
+    metrics = httpx.get(f"{tokens_gateway.base_url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
+    assert 'gateway_draft_hand_offs_total{alias="routed"} 3.0' in metrics
     worthless = routed(client, answer_value=1e-6)  # no step is worth a millionth of the answer's price
     assert worthless["upstream_calls"] == 0 and worthless["price_vetoes"] >= worthless["local_tokens"] > 0
 
@@ -70,6 +75,7 @@ def test_price_aware_routing_escalates_a_costly_run_of_hand_offs_and_skips_unwor
     ({"max_cost_ratio": 0}, "routing.max_cost_ratio"), ({"max_cost_ratio": "cheap"}, "routing.max_cost_ratio"),
     ({"on_ceiling": "panic"}, "routing.on_ceiling"), ({"answer_value": -1}, "routing.answer_value"),
     ({"early_escalation": "maybe"}, "routing.early_escalation"), ({"escalation": "restart"}, "routing.escalation"),
+    ({"escalation": "draft"}, "routing.escalation"),  # a draft needs answer_value: nothing else could end it
 ])
 def test_bad_values_are_a_400_naming_the_field(client, routing, param):
     with pytest.raises(openai.BadRequestError) as caught:

@@ -156,12 +156,36 @@ async def test_an_escalated_held_answer_is_asked_afresh_when_the_request_says_so
     invariant(decoding)
 
 
-async def test_a_streamed_answer_escalates_by_continuing_whatever_the_request_says():
+async def test_a_draft_makes_no_hand_off_before_it_is_asked_afresh():
+    upstream = FakeUpstream("Paris is nice.")
+    decoding, _ = make(unsure_local(), upstream, ceiling=ceiling(None), answer_value=1000.0, escalation="draft",
+                       held=True)
+    pieces = await run(decoding)
+    assert "".join(p.text for p in pieces) == "Paris is nice."
+    usage = decoding.usage
+    assert usage.draft_hand_offs == 3 and usage.discarded_tokens == 3  # the running rate's three, drafted locally
+    assert usage.afresh and [call.answer for call in upstream.calls] == [""] and usage.upstream_calls == 1
+    assert all(p.source == "upstream" for p in pieces if p.tokens)
+    invariant(decoding)
+
+
+async def test_a_draft_the_price_rule_never_escalates_costs_nothing_upstream():
+    upstream = FakeUpstream("Paris is nice.")
+    unsure_twice = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset({1, 2}), lean=2.0)
+    decoding, _ = make(unsure_twice, upstream, ceiling=ceiling(None), answer_value=1000.0, escalation="draft",
+                       held=True)
+    assert "".join(p.text for p in await run(decoding)) == "Paris is big."
+    assert decoding.usage.draft_hand_offs == 2 and upstream.calls == [] and not decoding.usage.escalated
+
+
+@pytest.mark.parametrize("escalation", ["afresh", "draft"])
+async def test_a_streamed_answer_escalates_by_continuing_whatever_the_request_says(escalation):
     upstream = FakeUpstream("Paris is nice.")
     unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)))
-    decoding, _ = make(unsure, upstream, ceiling=ceiling(None), answer_value=1000.0, escalation="afresh", held=False)
+    decoding, _ = make(unsure, upstream, ceiling=ceiling(None), answer_value=1000.0, escalation=escalation, held=False)
     assert "".join(p.text for p in await run(decoding)) == "Paris is nice."
     assert decoding.usage.escalated and not decoding.usage.afresh and upstream.calls[-1].answer != ""
+    assert len(upstream.calls) == 4 and decoding.usage.draft_hand_offs == 0
 
 
 async def test_an_escalation_past_the_ceiling_is_asked_afresh_in_full():

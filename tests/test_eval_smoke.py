@@ -61,7 +61,8 @@ def test_config_names():
     assert (priced.answer_value, priced.max_cost_ratio, priced.on_ceiling) == (0.5, 1.0, "escalate")
     assert priced.escalation == "continue"
     assert parse_config("learned@0.05,value=1,escalation=afresh").escalation == "afresh"
-    for bad in ("top1@0.5,on=panic", "top1@0.5,escalation=restart"):
+    assert parse_config("learned@0.05,value=1,escalation=draft").escalation == "draft"
+    for bad in ("top1@0.5,on=panic", "top1@0.5,escalation=restart", "top1@0.5,escalation=draft"):
         with pytest.raises(ValueError):
             parse_config(bad)
 

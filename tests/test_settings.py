@@ -45,6 +45,8 @@ def test_environment_overrides_nested_keys(monkeypatch):
     [
         ("models: {local: {a: {gguf: x}}}\naliases: {m: {local: b}}\n", "aliases.m.local: no local model 'b'"),
         ("models: {local: {a: {gguf: x}}}\naliases: {m: {local: a, routing: {policy: top1}}}\n", "needs a threshold"),
+        ("models: {local: {a: {gguf: x}}}\naliases: {m: {local: a, routing: {escalation: draft}}}\n",
+         "escalation 'draft' needs answer_value"),
         ("models: {local: {a: {gguf: x}}}\naliases: {}\nstore: {url: 'redis://h:99999'}\n", "store.url"),
         ("- just\n- a list\n", "mapping at the top level"),
     ],

@@ -28,7 +28,7 @@ from gateway.decoding.decoder import DecodeRequest, Decoding, Piece
 from gateway.decoding.logit_rules import LogitRules
 from gateway.decoding.signals import Sampling
 from gateway.runtime import Alias, Runtime
-from gateway.settings import RoutingOverride, RoutingSettings
+from gateway.settings import DRAFT_NEEDS, RoutingOverride, RoutingSettings
 from policies import THRESHOLD_POLICIES, build_policy
 from policies.learned import RouterError
 
@@ -90,6 +90,8 @@ def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None) 
     if merged["escalate_below"] and merged["answer_check"] is None:
         raise InvalidRequest("routing.escalate_below needs an answer check, and this model has none",
                              param="routing.escalate_below")
+    if merged["escalation"] == "draft" and (merged["answer_value"] is None or not merged["early_escalation"]):
+        raise InvalidRequest(f"routing.{DRAFT_NEEDS}", param="routing.escalation")
     try:
         return RoutingSettings(**merged)
     except ValidationError as exc:  # what is left after the checks above: first's whole-number threshold

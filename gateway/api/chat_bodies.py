@@ -40,6 +40,7 @@ def usage_of(admitted: Admitted) -> dict[str, Any]:
             "discarded_tokens": sum(u.discarded_tokens for u in usages),
             "answer_confidence": _confidence(usages),
             "price_vetoes": sum(u.price_vetoes for u in usages),
+            "draft_hand_offs": sum(u.draft_hand_offs for u in usages),
             "degraded": list(dict.fromkeys(reason for u in usages for reason in u.degraded)),
         },
     }

@@ -26,7 +26,11 @@ is not finished locally first. With `escalation: afresh` a held answer that esca
 rule, or the cost ceiling with `on_ceiling: escalate`) is asked afresh the same way instead of
 continued: a small model's opening lines can lead the large one astray (on GSM8K the upstream
 continuing them was right on 7 of 26 escalated answers, asked afresh on 13); if that call fails,
-or would pass the ceiling under `on_ceiling: local`, the answer is finished locally. An answer the
+or would pass the ceiling under `on_ceiling: local`, the answer is finished locally. With
+`escalation: draft` a held answer makes no hand-offs before it escalates: the local model drafts it,
+each hand-off the policy wants is only counted (`draft_hand_offs`, which the price rule's running
+rate reads as calls), and an escalation asks afresh; a hand-off made before a fresh answer replaces
+the draft is money spent on text thrown away (on GSM8K 81 of 100 answers escalated). An answer the
 upstream finished by escalating is neither rated by the check nor asked afresh again.
 """
 
@@ -106,7 +110,7 @@ class DecodeRequest:
     prompt: str | None = None  # raw text to continue instead of `messages` (legacy completions), as plain text
     ceiling: CostCeiling | None = None  # shared by the request's choices; None without an upstream
     on_ceiling: str = "local"  # local | escalate: what a hand-off past the ceiling becomes
-    escalation: str = "continue"  # continue | afresh: how an escalated held answer is finished
+    escalation: str = "continue"  # continue | afresh | draft: how an escalated held answer is finished
     choice: int = 0
     answer_check: AnswerCheck | None = None  # rates the finished answer (usage.routing.answer_confidence)
     escalate_below: float | None = None  # a held answer rated below this is asked afresh
@@ -145,6 +149,7 @@ class RoutingUsage:
     discarded_tokens: int = 0
     answer_confidence: float | None = None  # the answer check's rating of the local answer
     price_vetoes: int = 0  # steps the policy wanted upstream that were not worth their predicted price
+    draft_hand_offs: int = 0  # under escalation: draft, hand-offs the policy wanted, counted and not made
     predicted_cost_usd: float = 0.0  # what the calls made were expected to bill (prices and prefix reuse)
     degraded: list[str] = field(default_factory=list)
 
@@ -218,7 +223,8 @@ class Decoding:
             self.usage.degrade(self.gate.refusal)
         elif self.upstream is not None and self._handoff is None and self.request.policy.routes:
             self.usage.degrade("upstream_continues_chats_only")  # raw text, and a chat-mode upstream
-        if self._may_route() and self.upstream.warms and self.request.policy.wants_warm_up and not self._capped_cost:
+        if self._may_route() and self.upstream.warms and self.request.policy.wants_warm_up and not self._capped_cost \
+                and not self._drafts:
             self._warming = asyncio.ensure_future(self._call_upstream(self._handoff, 0))
         check = self.request.answer_check
         # shown once checked, or once finished when an escalation may replace it
@@ -350,7 +356,7 @@ class Decoding:
         state = RoutingState(
             answer_tokens=answered,
             upstream_tokens=answered - self.sources.count(LOCAL),
-            upstream_calls=self.usage.upstream_calls,
+            upstream_calls=self.usage.upstream_calls + self.usage.draft_hand_offs,
             budget_tokens_left=self.gate.tokens_left(),
             handoff_cost_tokens=len(self.prompt_tokens) + answered + self.request.span,
         )
@@ -390,7 +396,12 @@ class Decoding:
     @property
     def _escalates_afresh(self) -> bool:
         """An escalation asks afresh: the answer is held (nothing shown) and the request says so."""
-        return self.request.held and self.request.escalation == "afresh"
+        return self.request.held and self.request.escalation in ("afresh", "draft")
+
+    @property
+    def _drafts(self) -> bool:
+        """The held answer is a local draft until it escalates: no hand-off is made before then."""
+        return self.request.held and self.request.escalation == "draft" and not self.usage.escalated
 
     @property
     def _capped_cost(self) -> bool:
@@ -409,6 +420,9 @@ class Decoding:
             return LOCAL_STEP
         if not self.upstream.available:
             self.usage.degrade("upstream_unavailable")
+            return LOCAL_STEP
+        if self._drafts and not wanted.escalate:
+            self.usage.draft_hand_offs += 1
             return LOCAL_STEP
         return wanted
 
