@@ -33,6 +33,7 @@ class RoutingState:
     answer_tokens: int = 0
     upstream_tokens: int = 0
     upstream_calls: int = 0
+    drafted_calls: int = 0  # hand-offs a draft wanted and did not make (escalation: draft); not calls, for caps
     budget_tokens_left: int | None = None  # None: no token budget applies
     handoff_cost_tokens: int = 0  # estimated billed tokens of the next hand-off
     # Predicted prices (USD, the upstream's price sheet; all 0 without one, for a free upstream, or

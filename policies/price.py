@@ -13,7 +13,8 @@ it far more easily than one that re-bills a long prefix.
 
 Escalation: after `min_calls` hand-offs, the running rate of hand-offs per answer token predicts
 how many are still to come; once those would cost (at this hand-off's price) at least what the
-upstream writing the rest in one call costs, the rest is handed over at once.
+upstream writing the rest in one call costs, the rest is handed over at once. The hand-offs a draft
+wanted and did not make count as made: the rate measures how often the answer needs the upstream.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class PriceAware(Wrapping):
 
     def hand_over_rest(self, state: RoutingState) -> bool:
         """The hand-offs the running rate predicts cost at least the upstream writing the rest."""
-        if state.upstream_calls < self.min_calls or state.answer_tokens == 0 or state.rest_price_usd <= 0:
+        calls = state.upstream_calls + state.drafted_calls
+        if calls < self.min_calls or state.answer_tokens == 0 or state.rest_price_usd <= 0:
             return False
-        to_come = state.upstream_calls / state.answer_tokens * state.rest_tokens
+        to_come = calls / state.answer_tokens * state.rest_tokens
         return to_come * state.handoff_price_usd >= state.rest_price_usd

@@ -156,10 +156,11 @@ async def test_an_escalated_held_answer_is_asked_afresh_when_the_request_says_so
     invariant(decoding)
 
 
-async def test_a_draft_makes_no_hand_off_before_it_is_asked_afresh():
+@pytest.mark.parametrize("calls_cap", [None, 1])  # the hand-offs a draft did not make are not calls for a cap
+async def test_a_draft_makes_no_hand_off_before_it_is_asked_afresh(calls_cap):
     upstream = FakeUpstream("Paris is nice.")
     decoding, _ = make(unsure_local(), upstream, ceiling=ceiling(None), answer_value=1000.0, escalation="draft",
-                       held=True)
+                       held=True, max_upstream_calls=calls_cap)
     pieces = await run(decoding)
     assert "".join(p.text for p in pieces) == "Paris is nice."
     usage = decoding.usage

@@ -29,7 +29,7 @@ continuing them was right on 7 of 26 escalated answers, asked afresh on 13); if 
 or would pass the ceiling under `on_ceiling: local`, the answer is finished locally. With
 `escalation: draft` a held answer makes no hand-offs before it escalates: the local model drafts it,
 each hand-off the policy wants is only counted (`draft_hand_offs`, which the price rule's running
-rate reads as calls), and an escalation asks afresh; a hand-off made before a fresh answer replaces
+rate counts as calls and the caps do not), and an escalation asks afresh; a hand-off made before a fresh answer replaces
 the draft is money spent on text thrown away (on GSM8K 81 of 100 answers escalated). An answer the
 upstream finished by escalating is neither rated by the check nor asked afresh again.
 """
@@ -356,7 +356,8 @@ class Decoding:
         state = RoutingState(
             answer_tokens=answered,
             upstream_tokens=answered - self.sources.count(LOCAL),
-            upstream_calls=self.usage.upstream_calls + self.usage.draft_hand_offs,
+            upstream_calls=self.usage.upstream_calls,
+            drafted_calls=self.usage.draft_hand_offs,
             budget_tokens_left=self.gate.tokens_left(),
             handoff_cost_tokens=len(self.prompt_tokens) + answered + self.request.span,
         )
