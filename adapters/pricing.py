@@ -22,6 +22,11 @@ class Prices(NamedTuple):
     cache_write: float | None = None  # None: a cache write costs the input price
     cache_min_prompt_tokens: int = 0  # a shorter prompt is never cached by the provider
 
+    @property
+    def free(self) -> bool:
+        """No token has a price: nothing a price rule weighs."""
+        return not (self.input or self.cached_input or self.output or self.cache_write)
+
     def predicted(self, prompt_tokens: int, completion_tokens: int, reusable_tokens: int) -> float:
         """What a call is expected to bill when `reusable_tokens` of its prompt were in an earlier
         call of the same request (read from the cache if the prompt reaches the provider's

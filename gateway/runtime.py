@@ -18,7 +18,7 @@ from adapters.upstream_server import UpstreamServer
 from adapters.vocabulary import Vocabulary
 from gateway.admission.budget import Ledger
 from gateway.admission.tenants import TenantDirectory
-from gateway.settings import AliasSettings, Settings, UpstreamSettings
+from gateway.settings import AliasSettings, Settings, SettingsError, UpstreamSettings, draft_problem
 from policies import Router, SharedWindows
 from policies.answer_check import AnswerCheck
 
@@ -99,6 +99,9 @@ class Runtime:
                     router.threshold_for_share(alias.routing.target_fraction)  # fitted for it, or RouterError
             if alias.routing.answer_check is not None:
                 check = AnswerCheck.load(alias.routing.answer_check, local_sha)
+            problem = draft_problem(alias.routing.model_dump(), priced=upstream is None or not upstream.prices.free)
+            if problem:
+                raise SettingsError(f"aliases.{name}.routing: {problem}")
             self.aliases[name] = Alias(name, self.local_models[alias.local], upstream, alias, router, check)
         if not await self.ledger.store.ping():
             host = settings.store.url.rsplit("@", 1)[-1]  # never log a password

@@ -6,6 +6,7 @@ Nested keys are overridden with a double underscore, e.g. `GATEWAY_SERVER__PORT=
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
@@ -105,11 +106,11 @@ class RoutingSettings(Strict):
         "upstream writing the rest of the answer, hand the rest over in one call.")
     escalation: Escalation = Field(
         "continue", description="How an escalated answer (early_escalation, on_ceiling: escalate) that does not "
-        "stream is finished: continue (the upstream writes the rest after the answer so far) or afresh (the answer so "
-        "far is thrown away and the upstream answers the prompt in one call, usage.routing.afresh) or draft (as afresh, "
-        "and no hand-off is made before: the ones the policy wants are counted, usage.routing.draft_hand_offs, toward "
-        "early_escalation's running rate, so an answer costs nothing upstream or one direct call). A streamed answer "
-        "always continues: its text has been shown.")
+        "stream is finished: continue (the upstream writes the rest after the answer so far), afresh (the answer so "
+        "far is thrown away and the upstream answers the prompt in one call, usage.routing.afresh), or draft (as "
+        "afresh, and no hand-off is made before: the ones the policy wants are counted, usage.routing.draft_hand_offs, "
+        "for early_escalation's running rate; needs answer_value, prices and no token or share cap). A streamed "
+        "answer always continues: its text has been shown.")
     answer_check: str | None = Field(
         None, description="Answer check file (python -m eval answer-check), fitted for this alias's local model: "
         "rates each finished answer's chance of being correct (usage.routing.answer_confidence).")
@@ -137,16 +138,30 @@ class RoutingSettings(Strict):
             raise ValueError("policy 'first' needs a whole number of tokens >= 1 as its threshold")
         if self.escalate_below and self.answer_check is None:
             raise ValueError("escalate_below needs an answer_check")
-        if self.escalation == "draft" and (self.answer_value is None or not self.early_escalation):
-            raise ValueError(DRAFT_NEEDS)
+        problem = draft_problem(self.model_dump())
+        if problem:
+            raise ValueError(problem)
         return self
+
+
+def draft_problem(routing: Mapping[str, Any], priced: bool = True) -> str | None:
+    """Why a draft (`escalation: draft`) could never be asked afresh under these routing fields,
+    for an upstream that is `priced` (None: it could, or nothing drafts). Only the price rule's
+    early escalation ends a draft, and a token or share cap would cut the whole answer it asks for."""
+    if routing["escalation"] != "draft":
+        return None
+    if routing["answer_value"] is None or not routing["early_escalation"]:
+        return "escalation 'draft' needs answer_value with early_escalation"
+    if routing["max_upstream_tokens"] is not None or (routing["max_upstream_share"] or 1.0) < 1:
+        return "escalation 'draft' asks afresh for whole answers, which max_upstream_tokens and max_upstream_share cut"
+    if not priced:
+        return "escalation 'draft' needs an upstream with prices: a free one never escalates"
+    return None
 
 
 PolicyName = Literal["never", "always", "entropy", "top1", "margin", "target_fraction", "learned", "first"]
 OnCeiling = Literal["local", "escalate"]
 Escalation = Literal["continue", "afresh", "draft"]
-# a draft makes no hand-offs, so nothing else can end it
-DRAFT_NEEDS = "escalation 'draft' needs answer_value with early_escalation"
 SpanRule = Literal["tokens", "word", "line", "sentence"]
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gateway.admission.tenants import TenantDirectory, key_digest
-from gateway.settings import SettingsError, load_settings
+from gateway.settings import RoutingSettings, SettingsError, draft_problem, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,3 +76,18 @@ tenants:
     assert directory.is_admin("sk-admin") and not directory.is_admin("sk-one")
     with pytest.raises(SettingsError, match="MY_KEY is not set"):
         TenantDirectory(settings.tenants, {}, "ADMIN")
+
+
+@pytest.mark.parametrize(("fields", "priced", "problem"), [
+    ({"answer_value": 1.0}, True, None),
+    ({}, True, "needs answer_value"),  # nothing else escalates a draft
+    ({"answer_value": 1.0, "early_escalation": False}, True, "needs answer_value with early_escalation"),
+    ({"answer_value": 1.0, "max_upstream_tokens": 50}, True, "max_upstream_tokens"),
+    ({"answer_value": 1.0, "max_upstream_share": 0.5}, True, "max_upstream_share"),
+    ({"answer_value": 1.0}, False, "needs an upstream with prices"),
+])
+def test_a_draft_needs_what_can_end_it(fields, priced, problem):
+    routing = {**RoutingSettings(policy="never").model_dump(), "escalation": "draft", **fields}
+    found = draft_problem(routing, priced)
+    assert found is None if problem is None else problem in found
+    assert draft_problem({**routing, "escalation": "afresh"}, priced) is None

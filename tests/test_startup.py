@@ -95,3 +95,12 @@ def test_a_router_the_gateway_cannot_use_is_refused_at_startup(tmp_path, problem
     config["aliases"]["learned"] = {"local": "smol", "routing": {"policy": "learned", "target_fraction": share,
                                                                  "router": path}}
     assert expected in one_line_error(start(yaml.safe_dump(config), tmp_path))
+
+
+def test_a_draft_whose_upstream_has_no_prices_is_refused_at_startup(tmp_path):
+    config = gateway_config("http://127.0.0.1:9/v1")  # never called: the gateway stops before serving
+    for price in ("input_usd_per_mtok", "output_usd_per_mtok"):
+        del config["upstreams"]["up"][price]  # an unknown model: no prices in litellm's map either
+    config["aliases"]["routed"]["routing"].update(answer_value=1, escalation="draft")
+    assert "aliases.routed.routing: escalation 'draft' needs an upstream with prices" in \
+        one_line_error(start(yaml.safe_dump(config), tmp_path))

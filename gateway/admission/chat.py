@@ -28,7 +28,7 @@ from gateway.decoding.decoder import DecodeRequest, Decoding, Piece
 from gateway.decoding.logit_rules import LogitRules
 from gateway.decoding.signals import Sampling
 from gateway.runtime import Alias, Runtime
-from gateway.settings import DRAFT_NEEDS, RoutingOverride, RoutingSettings
+from gateway.settings import RoutingOverride, RoutingSettings, draft_problem
 from policies import THRESHOLD_POLICIES, build_policy
 from policies.learned import RouterError
 
@@ -59,11 +59,12 @@ class Admitted:
             await release(runtime, self.tenant, self.id)
 
 
-def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None) -> RoutingSettings:
+def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None, priced: bool = True) -> RoutingSettings:
     """The alias's routing with the tenant's and then the request's overrides applied.
 
     A policy that needs a threshold (or a target) must bring one unless it is the alias's own
-    policy; errors name the field as `routing.<field>`.
+    policy, and a draft needs what can end it (`priced`: the upstream has prices); errors name
+    the field as `routing.<field>`.
     """
     merged = alias.model_dump()
     for override in overrides:
@@ -90,8 +91,9 @@ def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None) 
     if merged["escalate_below"] and merged["answer_check"] is None:
         raise InvalidRequest("routing.escalate_below needs an answer check, and this model has none",
                              param="routing.escalate_below")
-    if merged["escalation"] == "draft" and (merged["answer_value"] is None or not merged["early_escalation"]):
-        raise InvalidRequest(f"routing.{DRAFT_NEEDS}", param="routing.escalation")
+    problem = draft_problem(merged, priced)
+    if problem:
+        raise InvalidRequest(f"routing.{problem}", param="routing.escalation")
     try:
         return RoutingSettings(**merged)
     except ValidationError as exc:  # what is left after the checks above: first's whole-number threshold
@@ -153,7 +155,8 @@ async def start(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
         raise InvalidRequest(f"logit_bias names a token id outside the local model's vocabulary of "
                              f"{alias.local.n_vocab}", param="logit_bias")
     max_tokens = body.requested_max_tokens or runtime.settings.server.default_max_tokens
-    routing = resolve_routing(alias.settings.routing, tenant.settings.routing, body.routing)
+    routing = resolve_routing(alias.settings.routing, tenant.settings.routing, body.routing,
+                              priced=alias.upstream is None or not alias.upstream.prices.free)
     try:
         alias.local.check_admission()
     except QueueFull as exc:

@@ -424,6 +424,8 @@ class Decoding:
             return LOCAL_STEP
         if self._drafts and not wanted.escalate:
             self.usage.draft_hand_offs += 1
+            if self._reads_prices:  # priced on as if made: the next call would extend this one's prefix
+                self._reusable_tokens = self.request.ceiling.prompt_tokens + len(self.answer_tokens)
             return LOCAL_STEP
         return wanted
 
