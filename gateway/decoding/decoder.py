@@ -28,10 +28,11 @@ continued: a small model's opening lines can lead the large one astray (on GSM8K
 continuing them was right on 7 of 26 escalated answers, asked afresh on 13); if that call fails,
 or would pass the ceiling under `on_ceiling: local`, the answer is finished locally. With
 `escalation: draft` a held answer makes no hand-offs before it escalates: the local model drafts it,
-each hand-off the policy wants is only counted (`draft_hand_offs`, which the price rule's running
-rate counts as calls and the caps do not), and an escalation asks afresh; a hand-off made before a fresh answer replaces
-the draft is money spent on text thrown away (on GSM8K 81 of 100 answers escalated). An answer the
-upstream finished by escalating is neither rated by the check nor asked afresh again.
+each hand-off the policy wants is only counted (`draft_hand_offs`: the price rule's running rate
+counts them as calls, the caps do not), and an escalation asks afresh; a hand-off made before a
+fresh answer replaces the draft is money spent on text thrown away (on GSM8K 81 of 100 answers
+escalated). An answer the upstream finished by escalating is neither rated by the check nor asked
+afresh again.
 """
 
 from __future__ import annotations
