@@ -20,10 +20,10 @@ to the tool.
              greedy token
   decoder    the whole collaborative decoder with policy `never` (signals, policy, detokenising),
              without guesses
-  look-ahead the same decoder as served: the engine evaluates each greedy token before the
-             decoder asks for it, so the hand-over and the decoder's work overlap the next step
-  served, fa off  the same with the engine's flash attention off (`flash_attn: false`, as served
-             before it was on)
+  look-ahead the same decoder with the engine's look-ahead, as served but with flash attention on
+             (`flash_attn: true`): the engine evaluates each greedy token before the decoder asks for
+             it, so the hand-over and the decoder's work overlap the next step
+  served, fa off  the same with the engine's flash attention off, as served by default
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def main() -> None:
     paired = statistics.median(plain / ahead for plain, ahead in zip(measured["decoder"], measured["look-ahead"]))
     print(f"look-ahead / decoder speed, paired per repeat: {paired:.3f}")
     paired = statistics.median(off / on for off, on in zip(measured["served, fa off"], measured["look-ahead"]))
-    print(f"as served, flash attention on / off speed, paired per repeat: {paired:.3f}")
+    print(f"look-ahead, flash attention on / off speed, paired per repeat: {paired:.3f}")
 
 
 if __name__ == "__main__":

@@ -115,8 +115,8 @@ $EVAL report --dataset humaneval --run-name "$run" --paired
 # escalation, since a fresh answer throws away what they bought. Chosen from the records of rows
 # 100-199 above (81 of 100 answers asked afresh after about 3 hand-offs each); reported on GSM8K dev
 # rows 200-299, which nothing had decoded before, with local and upstream-only decoded beside it
-run=price_mixed_gsm8k_draft
-$EVAL run --dataset gsm8k --rows 200:300 --max-tokens 512 --run-name "$run" --warm --block 2 --threads 2 \
+run=price_mixed_gsm8k_draft  # decoded with flash attention on, the default then
+$EVAL run --dataset gsm8k --rows 200:300 --max-tokens 512 --run-name "$run" --warm --block 2 --threads 2 --flash-attn \
   --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai \
   --configs local upstream learned@0.05,from=traffic,value=1,escalation=draft
 $EVAL report --dataset gsm8k --rows 200:300 --run-name "$run" --paired

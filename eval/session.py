@@ -79,7 +79,7 @@ class ModelOptions:
     router: str | None = None  # a learned router file, checked against the local model
     check: str | None = None  # an answer check file, checked against the local model
     sheet: PriceSheet | None = None  # token prices that replace the assumed ones (what decisions are priced at)
-    flash_attn: bool = True  # llama.cpp's flash attention in the local engine
+    flash_attn: bool = False  # llama.cpp's flash attention in the local engine
 
     @property
     def upstream_mode(self) -> str:
