@@ -138,7 +138,7 @@ class RoutingSettings(Strict):
             raise ValueError("policy 'first' needs a whole number of tokens >= 1 as its threshold")
         if self.escalate_below and self.answer_check is None:
             raise ValueError("escalate_below needs an answer_check")
-        problem = draft_problem(self.model_dump())
+        problem = draft_problem(vars(self))  # the fields as they are: no copy per request
         if problem:
             raise ValueError(problem)
         return self
