@@ -17,8 +17,10 @@ from adapters.upstream import Continuations, Upstream
 from adapters.upstream_server import UpstreamServer
 from adapters.vocabulary import Vocabulary
 from gateway.admission.budget import Ledger
+from gateway.admission.routing import resolve_routing
 from gateway.admission.tenants import TenantDirectory
-from gateway.settings import AliasSettings, Settings, SettingsError, UpstreamSettings, draft_problem
+from gateway.api.errors import InvalidRequest
+from gateway.settings import AliasSettings, Settings, SettingsError, UpstreamSettings
 from policies import Router, SharedWindows
 from policies.answer_check import AnswerCheck
 
@@ -42,6 +44,11 @@ class Alias:
     def __post_init__(self) -> None:
         if self.continuations is None:
             object.__setattr__(self, "continuations", self.upstream)
+
+    @property
+    def priced(self) -> bool:
+        """False only for an upstream without prices, where the price rule never escalates a draft."""
+        return self.upstream is None or not self.upstream.prices.free
 
     def windows(self, tenant: str) -> SharedWindows:
         """`tenant`'s windows of recent values on this alias (tenants are configured: bounded)."""
@@ -99,13 +106,24 @@ class Runtime:
                     router.threshold_for_share(alias.routing.target_fraction)  # fitted for it, or RouterError
             if alias.routing.answer_check is not None:
                 check = AnswerCheck.load(alias.routing.answer_check, local_sha)
-            problem = draft_problem(alias.routing.model_dump(), priced=upstream is None or not upstream.prices.free)
-            if problem:
-                raise SettingsError(f"aliases.{name}.routing: {problem}")
             self.aliases[name] = Alias(name, self.local_models[alias.local], upstream, alias, router, check)
+        self._check_routing(settings)
         if not await self.ledger.store.ping():
             host = settings.store.url.rsplit("@", 1)[-1]  # never log a password
             log.warning("store at %s does not answer: serving local-only until it does", host)
+
+    def _check_routing(self, settings: Settings) -> None:
+        """Stop now on routing that could never run: an alias's own, or a tenant's override on an alias
+        the tenant may use (each of its requests there would get a 400 its client cannot fix)."""
+        for name, alias in self.aliases.items():
+            overrides = {f"aliases.{name}": None}
+            overrides.update({f"tenants.{tenant.id} on alias {name}": tenant.routing for tenant in settings.tenants
+                              if tenant.routing is not None and (tenant.aliases is None or name in tenant.aliases)})
+            for where, override in overrides.items():
+                try:
+                    resolve_routing(alias.settings.routing, override, priced=alias.priced)
+                except InvalidRequest as exc:
+                    raise SettingsError(f"{where}: {exc.message}") from exc
 
     async def _upstream(self, name: str, settings: UpstreamSettings) -> Upstream:
         if settings.launch is not None:

@@ -12,7 +12,7 @@ from eval.__main__ import main as eval_main
 from eval.analysis import steps
 from eval.learn import compare, matrix, step_signal, train, with_thresholds
 from gateway.admission.budget import HandoffGate, Ledger
-from gateway.admission.chat import resolve_routing
+from gateway.admission.routing import resolve_routing
 from gateway.api.errors import InvalidRequest
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import signal_of, token_kind

@@ -102,5 +102,18 @@ def test_a_draft_whose_upstream_has_no_prices_is_refused_at_startup(tmp_path):
     for price in ("input_usd_per_mtok", "output_usd_per_mtok"):
         del config["upstreams"]["up"][price]  # an unknown model: no prices in litellm's map either
     config["aliases"]["routed"]["routing"].update(answer_value=1, escalation="draft")
-    assert "aliases.routed.routing: escalation 'draft' needs an upstream with prices" in \
+    assert "aliases.routed: routing.escalation 'draft' needs an upstream with prices" in \
         one_line_error(start(yaml.safe_dump(config), tmp_path))
+
+
+@pytest.mark.parametrize("override, aliases, expected", [
+    ({"escalation": "draft"}, ["routed"],
+     "tenants.demo on alias routed: routing.escalation 'draft' needs answer_value with early_escalation"),
+    ({"policy": "learned", "target_fraction": 0.1}, ["local"],
+     "tenants.demo on alias local: routing policy 'learned' needs a router"),
+])
+def test_a_tenant_routing_override_no_request_could_run_is_refused_at_startup(tmp_path, override, aliases,
+                                                                              expected):
+    config = gateway_config("http://127.0.0.1:9/v1")  # never called: the gateway stops before serving
+    config["tenants"][0].update(routing=override, aliases=aliases)
+    assert expected in one_line_error(start(yaml.safe_dump(config), tmp_path))

@@ -10,8 +10,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from adapters.chat_template import TemplateError
 from adapters.grammar import GrammarUnsupported, gbnf_for
 from adapters.local_model import QueueFull
@@ -19,6 +17,7 @@ from gateway.admission import passthrough
 from gateway.admission.budget import HandoffGate
 from gateway.admission.limits import admit_rates, release
 from gateway.admission.passthrough import Blocker, Passing
+from gateway.admission.routing import resolve_routing
 from gateway.admission.tenants import Tenant
 from gateway.api.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, quoted
 from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -28,8 +27,8 @@ from gateway.decoding.decoder import DecodeRequest, Decoding, Piece
 from gateway.decoding.logit_rules import LogitRules
 from gateway.decoding.signals import Sampling
 from gateway.runtime import Alias, Runtime
-from gateway.settings import RoutingOverride, RoutingSettings, draft_problem
-from policies import THRESHOLD_POLICIES, build_policy
+from gateway.settings import RoutingSettings
+from policies import build_policy
 from policies.learned import RouterError
 
 log = logging.getLogger("gateway.admission.chat")
@@ -57,47 +56,6 @@ class Admitted:
         if not self.released:
             self.released = True
             await release(runtime, self.tenant, self.id)
-
-
-def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None, priced: bool = True) -> RoutingSettings:
-    """The alias's routing with the tenant's and then the request's overrides applied.
-
-    A policy that needs a threshold (or a target) must bring one unless it is the alias's own
-    policy, and a draft needs what can end it (`priced`: the upstream has prices); errors name
-    the field as `routing.<field>`.
-    """
-    merged = alias.model_dump()
-    for override in overrides:
-        if override is None:
-            continue
-        changes = override.model_dump(exclude_none=True)
-        if changes.get("policy", merged["policy"]) != merged["policy"]:
-            merged.update(threshold=None, target_fraction=None)
-        merged.update(changes)
-        if merged["policy"] == "learned" and "target_fraction" in changes and "threshold" not in changes:
-            merged["threshold"] = None  # a share asked for replaces a score threshold set below it
-        if changes.get("threshold_from") == "traffic" and (merged["policy"] != "learned" or merged["threshold"] is not None):
-            raise InvalidRequest("routing.threshold_from 'traffic' applies to policy 'learned' with a target_fraction, "
-                                 "not a threshold", param="routing.threshold_from")
-    policy = merged["policy"]
-    if policy in (*THRESHOLD_POLICIES, "first") and merged["threshold"] is None:
-        raise InvalidRequest(f"routing policy '{policy}' needs a threshold", param="routing.threshold")
-    if policy == "target_fraction" and merged["target_fraction"] is None:
-        raise InvalidRequest("routing policy 'target_fraction' needs target_fraction", param="routing.target_fraction")
-    if policy == "learned" and merged["router"] is None:
-        raise InvalidRequest("routing policy 'learned' needs a router, and this model has none", param="routing.policy")
-    if policy == "learned" and merged["threshold"] is None and merged["target_fraction"] is None:
-        raise InvalidRequest("routing policy 'learned' needs a threshold or target_fraction", param="routing.threshold")
-    if merged["escalate_below"] and merged["answer_check"] is None:
-        raise InvalidRequest("routing.escalate_below needs an answer check, and this model has none",
-                             param="routing.escalate_below")
-    problem = draft_problem(merged, priced)
-    if problem:
-        raise InvalidRequest(f"routing.{problem}", param="routing.escalation")
-    try:
-        return RoutingSettings(**merged)
-    except ValidationError as exc:  # what is left after the checks above: first's whole-number threshold
-        raise InvalidRequest(exc.errors()[0]["msg"].removeprefix("Value error, "), param="routing.threshold") from exc
 
 
 def grammar_of(body: ChatCompletionRequest) -> str | None:
@@ -155,8 +113,7 @@ async def start(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
         raise InvalidRequest(f"logit_bias names a token id outside the local model's vocabulary of "
                              f"{alias.local.n_vocab}", param="logit_bias")
     max_tokens = body.requested_max_tokens or runtime.settings.server.default_max_tokens
-    routing = resolve_routing(alias.settings.routing, tenant.settings.routing, body.routing,
-                              priced=alias.upstream is None or not alias.upstream.prices.free)
+    routing = resolve_routing(alias.settings.routing, tenant.settings.routing, body.routing, priced=alias.priced)
     try:
         alias.local.check_admission()
     except QueueFull as exc:
