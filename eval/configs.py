@@ -31,13 +31,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
 import yaml
 
+from gateway.settings import Escalation, OnCeiling, SpanRule, ThresholdSource
 from policies import THRESHOLD_POLICIES, Policy, Router, SharedWindows, build_policy
 
 ROUTED = (*THRESHOLD_POLICIES, "target_fraction", "learned", "first")
-SPAN_RULES = ("tokens", "word", "line", "sentence")
+# the gateway's own choices for these routing fields, so the two never drift apart
+SPAN_RULES, ON_CEILING = get_args(SpanRule), get_args(OnCeiling)
+ESCALATIONS, THRESHOLD_SOURCES = get_args(Escalation), get_args(ThresholdSource)
 
 
 @dataclass(frozen=True)
@@ -105,14 +109,14 @@ def parse_config(text: str) -> ConfigSpec:
         raise ValueError(f"bad config {text!r}: a target share is in (0, 1]")
     given = dict(option.partition("=")[::2] for option in options)
     if set(given) - {"span", "until", "value", "ceiling", "on", "escalation", "afresh", "from"} \
-            or given.get("until", "tokens") not in SPAN_RULES or given.get("on", "local") not in ("local", "escalate") \
-            or given.get("escalation", "continue") not in ("continue", "afresh", "draft") \
+            or given.get("until", "tokens") not in SPAN_RULES or given.get("on", "local") not in ON_CEILING \
+            or given.get("escalation", "continue") not in ESCALATIONS \
             or (given.get("escalation") == "draft" and "value" not in given) \
-            or given.get("from", "router") not in ("router", "traffic") or ("from" in given and policy != "learned"):
+            or given.get("from", "router") not in THRESHOLD_SOURCES or ("from" in given and policy != "learned"):
         raise ValueError(f"bad config {text!r}: options are span=<tokens>, until=<{'|'.join(SPAN_RULES)}>, "
-                         "value=<answer value>, ceiling=<cost ratio>, on=<local|escalate>, "
-                         "escalation=<continue|afresh|draft> (draft with value), afresh=<P> and "
-                         "(learned only) from=<router|traffic>")
+                         f"value=<answer value>, ceiling=<cost ratio>, on=<{'|'.join(ON_CEILING)}>, "
+                         f"escalation=<{'|'.join(ESCALATIONS)}> (draft with value), afresh=<P> and "
+                         f"(learned only) from=<{'|'.join(THRESHOLD_SOURCES)}>")
     value, ceiling = given.get("value"), given.get("ceiling")
     return ConfigSpec(text, policy, number, int(given.get("span", 1)), given.get("until", "tokens"),
                       None if value is None else float(value), None if ceiling is None else float(ceiling),
