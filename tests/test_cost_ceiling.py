@@ -37,6 +37,14 @@ def test_every_token_upstream_costs_more_than_asking_directly(client):
     assert 0.5 < uncapped["upstream_cost_usd"] / uncapped["upstream_predicted_cost_usd"] < 2
 
 
+def test_an_answer_the_upstream_writes_in_one_call_costs_what_asking_directly_does(client):
+    answer = client.chat.completions.create(model="routed", messages=ASK, max_tokens=64, temperature=0.7, seed=7,
+                                            extra_body={"routing": {"policy": "always", "span": 64}})
+    routing = answer.usage.model_extra["routing"]
+    assert answer.choices[0].finish_reason == "stop" and routing["upstream_calls"] == 1
+    assert routing["cost_ratio"] == 1.0  # its end-of-turn token is billed either way
+
+
 @pytest.mark.parametrize(("n", "span"), [(1, 1), (2, 1), (1, 4)])
 def test_a_ceiling_of_one_never_bills_more_than_asking_directly(client, n, span):
     capped = routed(client, n=n, max_cost_ratio=1.0, span=span)

@@ -186,6 +186,7 @@ class Decoding:
         self.text = TextReleaser(request.stop)
         self.usage = RoutingUsage(policy=request.policy.name)
         self.finish_reason: str | None = None
+        self._end_token = False  # the answer ended on the model's end-of-generation token, which a direct call bills
         # OpenAI's seed is any 64-bit integer; numpy's seeds are non-negative
         self._rng = np.random.default_rng(None if request.seed is None else request.seed % 2**64)
         self._handoff = self._first_handoff(upstream, request, gate.cache_scope)
@@ -257,8 +258,8 @@ class Decoding:
                 for piece in held or ():
                     yield piece
         finally:
-            if self.request.ceiling is not None:  # the answer's length, for the report's cost_ratio
-                self.request.ceiling.note(self.request.choice, len(self.answer_tokens))
+            if self.request.ceiling is not None:  # the answer's length as a direct call bills it, for cost_ratio
+                self.request.ceiling.note(self.request.choice, len(self.answer_tokens) + self._end_token)
             if self.request.answer_lengths is not None and self.finish_reason is not None:
                 self.request.answer_lengths.add(len(self.answer_tokens))
             if self._warming is not None:
@@ -444,7 +445,7 @@ class Decoding:
     def _accept(self, token: int, logits: np.ndarray, signal: Signal) -> Piece:
         """Append a local token (or finish on an end-of-generation token)."""
         if self.local.is_end_of_generation(token):
-            self.finish_reason = "stop"
+            self.finish_reason, self._end_token = "stop", True
             return Piece("", (), LOCAL, signal)
         logprobs = (self._logprob(logits, token),) if self.request.logprobs else ()
         self.answer_tokens.append(token)
@@ -529,7 +530,7 @@ class Decoding:
         first_new, added = self._append_text(text, source)
         delta = self.text.feed(added)
         if finished:
-            self.finish_reason = "stop"
+            self.finish_reason, self._end_token = "stop", True
         self._check_end()
         logprobs = await self._score(sequence, first_new) if self.request.logprobs else ()
         return Piece(delta, tuple(self.answer_tokens[first_new:]), source, signal, logprobs)
