@@ -343,3 +343,12 @@ def test_an_early_rating_aggregates_only_the_first_k_steps():
     whole = prefix_stats(analysis, cut, 8)  # shorter than k: rated at its end, as the check rates it
     assert whole == prefix_stats(analysis, cut, None) and whole.answer_tokens == 4 and whole.cut_by_length
     assert whole.max_entropy == 3.0
+
+
+async def test_an_answer_asked_afresh_and_cut_at_the_limit_bills_no_end_token_in_asking_directly():
+    upstream = FakeUpstream("Paris is big. " * 40, chars_per_token=20)
+    ceiling = CostCeiling(None, upstream.prices, 10)  # the local answer ends on its end token, the fresh one at the limit
+    run = decoding(constant(0.3), below=0.5, upstream=upstream, ceiling=ceiling)
+    await text_of(run)
+    assert run.usage.afresh and run.finish_reason == "length"
+    assert ceiling.answered == {0: len(run.answer_tokens)}

@@ -97,7 +97,7 @@ def unsure_local() -> FakeLocalModel:
     return FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0)
 
 
-def ceiling(ratio: float) -> CostCeiling:
+def ceiling(ratio: float | None) -> CostCeiling:
     return CostCeiling(ratio, FakeUpstream("").prices, prompt_tokens=0)  # the decoding sets the prompt's count
 
 
@@ -312,6 +312,15 @@ async def test_always_writes_everything_upstream_and_bills_each_call():
     usage = (await store.usage("t", time.time()))[0]
     assert usage.upstream_prompt_tokens == decoding.usage.upstream_prompt_tokens
     invariant(decoding)
+
+
+async def test_an_upstream_answer_that_ends_past_the_limit_is_cut_by_length_and_bills_no_end_token():
+    upstream = FakeUpstream("Paris is nice. " * 6, chars_per_token=20)  # finished in one call of 20 "tokens"
+    limit = ceiling(None)
+    decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, span=20, max_tokens=8, ceiling=limit)
+    await run(decoding)
+    assert len(upstream.calls) == 1 and len(decoding.answer_tokens) == 8
+    assert decoding.finish_reason == "length" and limit.answered == {0: 8}  # as a direct call of max_tokens 8
 
 
 async def test_failed_upstream_decodes_the_step_locally_and_flags_it():

@@ -331,7 +331,7 @@ class Decoding:
         self.usage.discarded_tokens = len(self.answer_tokens)
         self._handoff = handoff
         self.answer_tokens, self.sources, self.answer_bytes = [], [], bytearray()
-        self.text, self.finish_reason = TextReleaser(self.request.stop), None
+        self.text, self.finish_reason, self._end_token = TextReleaser(self.request.stop), None, False
         if self._grammar is not None:
             got = self._grammar_cut(*got)
         return [await self._append_upstream(sequence, *got, first)]
@@ -529,8 +529,8 @@ class Decoding:
                                signal: Signal) -> Piece:
         first_new, added = self._append_text(text, source)
         delta = self.text.feed(added)
-        if finished:
-            self.finish_reason, self._end_token = "stop", True
+        if finished and len(self.answer_tokens) < self.limit:  # else a direct call would have stopped by length
+            self.finish_reason, self._end_token = "stop", not self.text.stopped
         self._check_end()
         logprobs = await self._score(sequence, first_new) if self.request.logprobs else ()
         return Piece(delta, tuple(self.answer_tokens[first_new:]), source, signal, logprobs)
