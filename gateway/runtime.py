@@ -17,10 +17,10 @@ from adapters.upstream import Continuations, Upstream
 from adapters.upstream_server import UpstreamServer
 from adapters.vocabulary import Vocabulary
 from gateway.admission.budget import Ledger
-from gateway.admission.routing import resolve_routing
+from gateway.admission.routing import policy_of, resolve_routing
 from gateway.admission.tenants import TenantDirectory
 from gateway.api.errors import InvalidRequest
-from gateway.settings import AliasSettings, Settings, SettingsError, UpstreamSettings
+from gateway.settings import AliasSettings, RoutingOverride, Settings, SettingsError, UpstreamSettings
 from policies import Router, SharedWindows
 from policies.answer_check import AnswerCheck
 
@@ -113,17 +113,20 @@ class Runtime:
             log.warning("store at %s does not answer: serving local-only until it does", host)
 
     def _check_routing(self, settings: Settings) -> None:
-        """Stop now on routing that could never run: an alias's own, or a tenant's override on an alias
-        the tenant may use (each of its requests there would get a 400 its client cannot fix)."""
+        """Stop on an alias's routing that could never run. Warn of a tenant's routing override under
+        which an alias it may use refuses (400) every request that brings no routing of its own: a
+        request's `routing` may still complete it, so it does not stop the gateway."""
         for name, alias in self.aliases.items():
-            overrides = {f"aliases.{name}": None}
-            overrides.update({f"tenants.{tenant.id} on alias {name}": tenant.routing for tenant in settings.tenants
-                              if tenant.routing is not None and (tenant.aliases is None or name in tenant.aliases)})
-            for where, override in overrides.items():
-                try:
-                    resolve_routing(alias.settings.routing, override, priced=alias.priced)
-                except InvalidRequest as exc:
-                    raise SettingsError(f"{where}: {exc.message}") from exc
+            problem = _routing_problem(alias, None)
+            if problem:
+                raise SettingsError(f"aliases.{name}: {problem}")
+            for tenant in settings.tenants:
+                if tenant.routing is None or (tenant.aliases is not None and name not in tenant.aliases):
+                    continue
+                problem = _routing_problem(alias, tenant.routing)
+                if problem:
+                    log.warning("tenants.%s on alias %s: requests without routing of their own get a 400: %s",
+                                tenant.id, name, problem)
 
     async def _upstream(self, name: str, settings: UpstreamSettings) -> Upstream:
         if settings.launch is not None:
@@ -161,6 +164,15 @@ def make_upstream(name: str, settings: UpstreamSettings, store: Store | None = N
     template_ref = settings.template_gguf or (settings.launch.gguf if settings.launch else None)
     vocab = Vocabulary(resolve_model(template_ref)) if template_ref else None
     return Upstream(name, settings, vocab, store)
+
+
+def _routing_problem(alias: Alias, override: RoutingOverride | None) -> str | None:
+    """Why a request to `alias` under `override` and no routing of its own is refused (None: it is not)."""
+    try:
+        policy_of(resolve_routing(alias.settings.routing, override, priced=alias.priced), alias.router, SharedWindows())
+    except InvalidRequest as exc:
+        return exc.message
+    return None
 
 
 def _store(settings: Settings) -> Store:

@@ -106,14 +106,28 @@ def test_a_draft_whose_upstream_has_no_prices_is_refused_at_startup(tmp_path):
         one_line_error(start(yaml.safe_dump(config), tmp_path))
 
 
-@pytest.mark.parametrize("override, aliases, expected", [
-    ({"escalation": "draft"}, ["routed"],
-     "tenants.demo on alias routed: routing.escalation 'draft' needs answer_value with early_escalation"),
-    ({"policy": "learned", "target_fraction": 0.1}, ["local"],
-     "tenants.demo on alias local: routing policy 'learned' needs a router"),
-])
-def test_a_tenant_routing_override_no_request_could_run_is_refused_at_startup(tmp_path, override, aliases,
-                                                                              expected):
-    config = gateway_config("http://127.0.0.1:9/v1")  # never called: the gateway stops before serving
-    config["tenants"][0].update(routing=override, aliases=aliases)
-    assert expected in one_line_error(start(yaml.safe_dump(config), tmp_path))
+def chat(gateway, model: str, **extra) -> httpx.Response:
+    return httpx.post(f"{gateway.base_url}/v1/chat/completions", timeout=60, headers={"Authorization": "Bearer sk-demo"},
+                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **extra})
+
+
+def test_a_tenant_override_that_refuses_requests_is_named_at_startup_and_a_request_may_complete_it(tmp_path):
+    config = gateway_config("http://127.0.0.1:9/v1")  # an upstream that is down: requests degrade to local
+    config["tenants"][0].update(routing={"escalation": "draft"}, aliases=["routed"])
+    with live_gateway(config, tmp_path) as gateway:
+        assert ("tenants.demo on alias routed: requests without routing of their own get a 400: routing.escalation "
+                "'draft' needs answer_value") in gateway.log_path.read_text()
+        refused = chat(gateway, "routed")
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "routing.escalation"
+        assert chat(gateway, "routed", routing={"answer_value": 1}).status_code == 200
+
+
+def test_a_tenant_share_outside_the_routers_fitted_shares_is_named_at_startup(tmp_path):
+    config = gateway_config(None)
+    config["aliases"]["learned"] = {"local": "smol", "routing": {"policy": "learned", "target_fraction": 0.1,
+                                                                 "router": router_file(tmp_path)}}
+    config["tenants"][0].update(routing={"target_fraction": 0.5}, aliases=["learned"])
+    with live_gateway(config, tmp_path) as gateway:
+        assert ("tenants.demo on alias learned: requests without routing of their own get a 400: the router's thresholds "
+                "are fitted for shares 0.1, 0.2: 0.5 is outside them") in gateway.log_path.read_text()
+        assert chat(gateway, "learned").json()["error"]["param"] == "routing.target_fraction"

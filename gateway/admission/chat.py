@@ -17,7 +17,7 @@ from gateway.admission import passthrough
 from gateway.admission.budget import HandoffGate
 from gateway.admission.limits import admit_rates, release
 from gateway.admission.passthrough import Blocker, Passing
-from gateway.admission.routing import resolve_routing
+from gateway.admission.routing import policy_of, resolve_routing
 from gateway.admission.tenants import Tenant
 from gateway.api.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, quoted
 from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -28,8 +28,6 @@ from gateway.decoding.logit_rules import LogitRules
 from gateway.decoding.signals import Sampling
 from gateway.runtime import Alias, Runtime
 from gateway.settings import RoutingSettings
-from policies import build_policy
-from policies.learned import RouterError
 
 log = logging.getLogger("gateway.admission.chat")
 
@@ -137,14 +135,7 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | Com
               text: str | None, routing: RoutingSettings, max_tokens: int, grammar: str | None,
               choice: int, ceiling: CostCeiling | None) -> Decoding:
     """The decoding of one choice; choices differ by seed (seed + choice) when they sample."""
-    try:
-        policy = build_policy(routing.policy, routing.threshold, routing.target_fraction,
-                              routing.max_upstream_tokens, routing.max_upstream_share, routing.max_upstream_calls,
-                              windows=alias.windows(gate.tenant), router=alias.router,
-                              threshold_from=routing.threshold_from,
-                              answer_value=routing.answer_value, early_escalation=routing.early_escalation)
-    except RouterError as exc:  # a target_fraction outside the shares the router was fitted for
-        raise InvalidRequest(str(exc), param="routing.target_fraction") from exc
+    policy = policy_of(routing, alias.router, alias.windows(gate.tenant))
     chat = isinstance(body, ChatCompletionRequest)
     logprobs, top_logprobs = body.token_logprobs()
     request = DecodeRequest(

@@ -1,5 +1,5 @@
 """A request's routing: the alias's routing settings with the tenant's and the request's overrides
-applied, refused with a 400 naming the field when the result could not run."""
+applied, and the policy they build; refused with a 400 naming the field when they could not run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pydantic import ValidationError
 
 from gateway.api.errors import InvalidRequest
 from gateway.settings import RoutingOverride, RoutingSettings, draft_problem
-from policies import THRESHOLD_POLICIES
+from policies import THRESHOLD_POLICIES, Policy, Router, SharedWindows, build_policy
+from policies.learned import RouterError
 
 
 def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None, priced: bool = True) -> RoutingSettings:
@@ -49,3 +50,15 @@ def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None, 
         return RoutingSettings(**merged)
     except ValidationError as exc:  # what is left after the checks above: first's whole-number threshold
         raise InvalidRequest(exc.errors()[0]["msg"].removeprefix("Value error, "), param="routing.threshold") from exc
+
+
+def policy_of(routing: RoutingSettings, router: Router | None, windows: SharedWindows) -> Policy:
+    """The policy `routing` names, reading `router` and `windows` (one tenant's recent values on
+    the alias); a target_fraction outside the shares the router was fitted for is a 400."""
+    try:
+        return build_policy(routing.policy, routing.threshold, routing.target_fraction, routing.max_upstream_tokens,
+                            routing.max_upstream_share, routing.max_upstream_calls, windows=windows, router=router,
+                            threshold_from=routing.threshold_from, answer_value=routing.answer_value,
+                            early_escalation=routing.early_escalation)
+    except RouterError as exc:
+        raise InvalidRequest(str(exc), param="routing.target_fraction") from exc
