@@ -120,3 +120,23 @@ $EVAL run --dataset gsm8k --rows 200:300 --max-tokens 512 --run-name "$run" --wa
   --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai \
   --configs local upstream learned@0.05,from=traffic,value=1,escalation=draft
 $EVAL report --dataset gsm8k --rows 200:300 --run-name "$run" --paired
+
+# Drafts on the two other tasks, where the records above only derived them: IFEval's untouched rows
+# 150-199 and HumanEval's 164 problems, the same config as on GSM8K rows 200-299, local and
+# upstream-only copied from the escalations-afresh runs of the same rows (flash attention off, as
+# served)
+run=price_mixed_ifeval_draft
+copied "$run" price_mixed_ifeval_escalate_afresh ifeval upstream local learned@0.05,from=traffic \
+  learned@0.05,from=traffic,value=1,escalation=afresh
+$EVAL run --dataset ifeval --rows 150:200 --run-name "$run" --block 4 --threads 2 \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai \
+  --configs learned@0.05,from=traffic,value=1,escalation=draft
+$EVAL report --dataset ifeval --rows 150:200 --run-name "$run" --paired
+
+run=price_humaneval_draft
+copied "$run" price_humaneval_escalate_afresh humaneval upstream local learned@0.05,from=traffic \
+  learned@0.05,from=traffic,value=1 learned@0.05,from=traffic,value=1,escalation=afresh
+$EVAL run --dataset humaneval --rows 0:164 --run-name "$run" --block 4 --threads 2 \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai \
+  --configs learned@0.05,from=traffic,value=1,escalation=draft
+$EVAL report --dataset humaneval --run-name "$run" --paired
