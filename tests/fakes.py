@@ -119,7 +119,8 @@ class PrefixGrammar:
 
 @dataclass
 class FakeUpstream:
-    """Continues towards its own `target` text, `chars_per_token` characters per requested token."""
+    """Continues towards its own `target` text, `chars_per_token` characters per requested token,
+    billing the tokens it wrote."""
 
     target: str
     chars_per_token: int = 2
@@ -163,11 +164,12 @@ class FakeUpstream:
             raise UpstreamUnavailable("scripted failure")
         rest = self.target[len(handoff.answer):] if self.target.startswith(handoff.answer) else ""
         text = rest[: max_tokens * self.chars_per_token]
-        prompt = self.estimate_prompt_tokens(handoff)
+        prompt, finished = self.estimate_prompt_tokens(handoff), len(text) == len(rest)
         cached = int(prompt * self.cached_share)
-        return Continuation(text, finished=len(text) == len(rest), prompt_tokens=prompt,
-                            completion_tokens=max(1, max_tokens),
-                            cost_usd=self.estimate_cost(prompt, max_tokens, cached), latency_s=self.delay_s,
+        # its tokens and, if it ended, the end token, all within max_tokens, as a server bills them
+        written = min(max(1, max_tokens), -(-len(text) // self.chars_per_token) + finished)
+        return Continuation(text, finished=finished, prompt_tokens=prompt, completion_tokens=written,
+                            cost_usd=self.estimate_cost(prompt, written, cached), latency_s=self.delay_s,
                             cached_tokens=cached, compute_ms=5.0)
 
 
