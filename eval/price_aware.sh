@@ -140,3 +140,10 @@ $EVAL run --dataset humaneval --rows 0:164 --run-name "$run" --block 4 --threads
   --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai \
   --configs learned@0.05,from=traffic,value=1,escalation=draft
 $EVAL report --dataset humaneval --run-name "$run" --paired
+
+# The price-blind mixed router on the same untouched GSM8K rows 200-299, beside the draft run (flash
+# attention on, as that run was decoded): does the token-level router's gain hold on rows nothing
+# was chosen on, and what does the draft add to it
+$EVAL run --dataset gsm8k --rows 200:300 --max-tokens 512 --run-name price_mixed_gsm8k_draft --warm --block 2 --threads 2 --flash-attn \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai --configs learned@0.05,from=traffic
+$EVAL report --dataset gsm8k --rows 200:300 --run-name price_mixed_gsm8k_draft --paired
