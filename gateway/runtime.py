@@ -100,10 +100,7 @@ class Runtime:
             upstream = upstreams[alias.upstream] if alias.upstream else None
             router, check, local_sha = None, None, model_sha256(settings.models.local[alias.local].gguf)
             if alias.routing.router is not None:
-                router = Router.load(alias.routing.router, local_sha)
-                if alias.routing.policy == "learned" and alias.routing.threshold is None \
-                        and alias.routing.threshold_from == "router":
-                    router.threshold_for_share(alias.routing.target_fraction)  # fitted for it, or RouterError
+                router = Router.load(alias.routing.router, local_sha)  # its share is checked with the routing below
             if alias.routing.answer_check is not None:
                 check = AnswerCheck.load(alias.routing.answer_check, local_sha)
             self.aliases[name] = Alias(name, self.local_models[alias.local], upstream, alias, router, check)
