@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from eval.datasets import DEFAULT_FILES, MAX_TOKENS, load_items, parse_rows
 from eval.records import analysis_path, parse_source
+from gateway.settings import LocalModelSettings
 
 if TYPE_CHECKING:  # numpy and the routers load only for the commands that use them
     import numpy as np
@@ -187,7 +188,8 @@ def _where(parser: argparse.ArgumentParser) -> None:
 
 def _engine(parser: argparse.ArgumentParser) -> None:
     """Options of the local model's engine, for the commands that decode with it."""
-    parser.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--flash-attn", action=argparse.BooleanOptionalAction,
+                        default=LocalModelSettings.model_fields["flash_attn"].default,
                         help="llama.cpp's flash attention in the local engine (off, as the gateway serves; the "
                              "run price_mixed_gsm8k_draft decoded with it on)")
 

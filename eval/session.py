@@ -19,7 +19,7 @@ from adapters.upstream import Upstream
 from adapters.upstream_server import UpstreamServer, forgetful_args
 from eval.costs import PriceSheet
 from gateway.runtime import make_upstream
-from gateway.settings import LaunchSettings, UpstreamSettings
+from gateway.settings import LaunchSettings, LocalModelSettings, UpstreamSettings
 from policies import Router
 from policies.answer_check import AnswerCheck
 
@@ -79,7 +79,7 @@ class ModelOptions:
     router: str | None = None  # a learned router file, checked against the local model
     check: str | None = None  # an answer check file, checked against the local model
     sheet: PriceSheet | None = None  # token prices that replace the assumed ones (what decisions are priced at)
-    flash_attn: bool = False  # llama.cpp's flash attention in the local engine
+    flash_attn: bool = LocalModelSettings.model_fields["flash_attn"].default  # in the local engine, as served
 
     @property
     def upstream_mode(self) -> str:
