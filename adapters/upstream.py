@@ -37,6 +37,13 @@ from adapters.whole_requests import WholeRequests
 SLOT_MARGIN_S = 10.0  # a slot lease outlives its call's own time-outs by this much
 
 
+def prices_of(settings: UpstreamSettings) -> Prices:
+    """An upstream's USD per token: the configured prices, else litellm's map for its model, else 0."""
+    s = settings
+    return Prices.of(s.model, s.input_usd_per_mtok, s.output_usd_per_mtok, s.cached_input_usd_per_mtok,
+                     s.cache_write_usd_per_mtok, s.cache_min_prompt_tokens)
+
+
 @dataclass(frozen=True)
 class Continuation:
     text: str
@@ -154,9 +161,7 @@ class Upstream:
     @functools.cached_property
     def prices(self) -> Prices:
         """USD per token (adapters.pricing): the configured prices, else litellm's map, else 0."""
-        s = self.settings
-        return Prices.of(s.model, s.input_usd_per_mtok, s.output_usd_per_mtok, s.cached_input_usd_per_mtok,
-                         s.cache_write_usd_per_mtok, s.cache_min_prompt_tokens)
+        return prices_of(self.settings)
 
     def billed_usage(self, response: Any) -> CallUsage:
         """What a response (or a streamed chunk) billed, as the client may see it: with a cache that

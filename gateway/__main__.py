@@ -39,14 +39,19 @@ def _parser() -> argparse.ArgumentParser:
     fetch.add_argument("names", nargs="*", default=["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"],
                        help=f"catalog names: {', '.join(CATALOG)}")
     fetch.set_defaults(run=_fetch)
-    check = commands.add_parser("check-config", help="validate a config file and exit")
+    check = commands.add_parser("check-config", help="check a config file as start-up would, without loading models")
     check.add_argument("--config", default="config.yaml")
     check.set_defaults(run=_check_config)
     return parser
 
 
 def _check_config(args: argparse.Namespace) -> int:
+    from gateway.runtime import alias_files, check_routing
+
     settings = load_settings(args.config)
+    routers = {name: router for name, (router, _) in alias_files(settings).items()}
+    for warning in check_routing(settings, routers):
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"config ok: aliases {', '.join(settings.aliases)}")
     return 0
 

@@ -13,14 +13,14 @@ from adapters.local_model import LocalModel, system_info
 from adapters.model_files import model_sha256, resolve_model
 from adapters.redis_store import RedisStore
 from adapters.store import MemoryStore, Store
-from adapters.upstream import Continuations, Upstream
+from adapters.upstream import Continuations, Upstream, prices_of
 from adapters.upstream_server import UpstreamServer
 from adapters.vocabulary import Vocabulary
 from gateway.admission.budget import Ledger
 from gateway.admission.routing import policy_of, resolve_routing
 from gateway.admission.tenants import TenantDirectory
 from gateway.api.errors import InvalidRequest
-from gateway.settings import AliasSettings, RoutingOverride, Settings, SettingsError, UpstreamSettings
+from gateway.settings import AliasSettings, RoutingOverride, RoutingSettings, Settings, SettingsError, UpstreamSettings
 from policies import Router, SharedWindows
 from policies.answer_check import AnswerCheck
 
@@ -90,6 +90,9 @@ class Runtime:
         if "AMX" in system_info():
             log.warning("this llama.cpp build uses AMX kernels, which crash where the kernel does not grant "
                         "AMX tiles; scripts/setup.sh builds without them")
+        files = alias_files(settings)  # checked before models load, which takes a while
+        for warning in check_routing(settings, {name: router for name, (router, _) in files.items()}):
+            log.warning("%s", warning)
         for name, local in settings.models.local.items():
             path = resolve_model(local.gguf)
             self.local_models[name] = await LocalModel.load(
@@ -98,32 +101,10 @@ class Runtime:
         upstreams = {name: await self._upstream(name, up) for name, up in settings.upstreams.items()}
         for name, alias in settings.aliases.items():
             upstream = upstreams[alias.upstream] if alias.upstream else None
-            router, check, local_sha = None, None, model_sha256(settings.models.local[alias.local].gguf)
-            if alias.routing.router is not None:
-                router = Router.load(alias.routing.router, local_sha)  # its share is checked with the routing below
-            if alias.routing.answer_check is not None:
-                check = AnswerCheck.load(alias.routing.answer_check, local_sha)
-            self.aliases[name] = Alias(name, self.local_models[alias.local], upstream, alias, router, check)
-        self._check_routing(settings)
+            self.aliases[name] = Alias(name, self.local_models[alias.local], upstream, alias, *files[name])
         if not await self.ledger.store.ping():
             host = settings.store.url.rsplit("@", 1)[-1]  # never log a password
             log.warning("store at %s does not answer: serving local-only until it does", host)
-
-    def _check_routing(self, settings: Settings) -> None:
-        """Stop on an alias's routing that could never run. Warn of a tenant's routing override under
-        which an alias it may use refuses (400) every request that brings no routing of its own: a
-        request's `routing` may still complete it, so it does not stop the gateway."""
-        for name, alias in self.aliases.items():
-            problem = _routing_problem(alias, None)
-            if problem:
-                raise SettingsError(f"aliases.{name}: {problem}")
-            for tenant in settings.tenants:
-                if tenant.routing is None or (tenant.aliases is not None and name not in tenant.aliases):
-                    continue
-                problem = _routing_problem(alias, tenant.routing)
-                if problem:
-                    log.warning("tenants.%s on alias %s: requests without routing of their own get a 400: %s",
-                                tenant.id, name, problem)
 
     async def _upstream(self, name: str, settings: UpstreamSettings) -> Upstream:
         if settings.launch is not None:
@@ -163,10 +144,44 @@ def make_upstream(name: str, settings: UpstreamSettings, store: Store | None = N
     return Upstream(name, settings, vocab, store)
 
 
-def _routing_problem(alias: Alias, override: RoutingOverride | None) -> str | None:
-    """Why a request to `alias` under `override` and no routing of its own is refused (None: it is not)."""
+def alias_files(settings: Settings) -> dict[str, tuple[Router | None, AnswerCheck | None]]:
+    """Each alias's router and answer check, checked against its local model's sha256.
+    Raises RouterError, or ModelFileError for a local model given by a path that is not there."""
+    files = {}
+    for name, alias in settings.aliases.items():
+        routing, local = alias.routing, settings.models.local[alias.local]
+        local_sha = model_sha256(local.gguf) if routing.router or routing.answer_check else ""  # hashing takes a while
+        files[name] = (Router.load(routing.router, local_sha) if routing.router else None,
+                       AnswerCheck.load(routing.answer_check, local_sha) if routing.answer_check else None)
+    return files
+
+
+def check_routing(settings: Settings, routers: Mapping[str, Router | None]) -> list[str]:
+    """Raise SettingsError for an alias whose own routing could never run (`routers`: each alias's
+    router); return a warning for each tenant override under which an alias the tenant may use
+    refuses (400) every request that brings no routing of its own (a request's `routing` may still
+    complete it, so it does not stop the gateway)."""
+    warnings = []
+    for name, alias in settings.aliases.items():
+        priced = alias.upstream is None or not prices_of(settings.upstreams[alias.upstream]).free
+        problem = _routing_problem(alias.routing, None, routers[name], priced)
+        if problem:
+            raise SettingsError(f"aliases.{name}: {problem}")
+        for tenant in settings.tenants:
+            if tenant.routing is None or (tenant.aliases is not None and name not in tenant.aliases):
+                continue
+            problem = _routing_problem(alias.routing, tenant.routing, routers[name], priced)
+            if problem:
+                warnings.append(f"tenants.{tenant.id} on alias {name}: requests without routing of their own "
+                                f"get a 400: {problem}")
+    return warnings
+
+
+def _routing_problem(routing: RoutingSettings, override: RoutingOverride | None, router: Router | None,
+                     priced: bool) -> str | None:
+    """Why a request under `override` and no routing of its own is refused (None: it is not)."""
     try:
-        policy_of(resolve_routing(alias.settings.routing, override, priced=alias.priced), alias.router, SharedWindows())
+        policy_of(resolve_routing(routing, override, priced=priced), router, SharedWindows())
     except InvalidRequest as exc:
         return exc.message
     return None

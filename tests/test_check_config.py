@@ -1,0 +1,54 @@
+"""`python -m gateway check-config`: what start-up would refuse or warn of, without loading a model."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from gateway.__main__ import main
+from tests.conftest import ROOT, gateway_config, router_file
+
+
+def check(config: dict, tmp_path, capsys) -> tuple[int, str, str]:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    code = main(["check-config", "--config", str(path)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_the_shipped_config_passes(capsys):
+    assert main(["check-config", "--config", str(ROOT / "config.yaml")]) == 0
+    captured = capsys.readouterr()
+    assert "config ok" in captured.out and "warning" not in captured.err
+
+
+def test_an_alias_whose_routing_could_never_run_is_an_error(tmp_path, capsys):
+    config = gateway_config("http://127.0.0.1:9/v1")
+    for price in ("input_usd_per_mtok", "output_usd_per_mtok"):
+        del config["upstreams"]["up"][price]  # an unknown model: no prices in litellm's map either
+    config["aliases"]["routed"]["routing"].update(answer_value=1, escalation="draft")
+    code, out, err = check(config, tmp_path, capsys)
+    assert code == 2 and "config ok" not in out
+    assert "error: aliases.routed: routing.escalation 'draft' needs an upstream with prices" in err
+
+
+def test_a_tenant_override_that_refuses_requests_is_a_warning(tmp_path, capsys):
+    config = gateway_config("http://127.0.0.1:9/v1")
+    config["tenants"][0].update(routing={"escalation": "draft"}, aliases=["routed"])
+    code, out, err = check(config, tmp_path, capsys)
+    assert code == 0 and "config ok" in out
+    assert ("warning: tenants.demo on alias routed: requests without routing of their own get a 400: "
+            "routing.escalation 'draft' needs answer_value") in err
+
+
+@pytest.mark.parametrize("sha, share, expected", [
+    ("0" * 64, 0.1, "was trained for the local model with sha256 000"),
+    (None, 0.5, "fitted for shares 0.1, 0.2: 0.5 is outside them"),
+])
+def test_a_router_the_gateway_cannot_use_is_an_error(tmp_path, capsys, sha, share, expected):
+    config = gateway_config(None)
+    config["aliases"]["learned"] = {"local": "smol", "routing": {"policy": "learned", "target_fraction": share,
+                                                                 "router": router_file(tmp_path, sha=sha)}}
+    code, _, err = check(config, tmp_path, capsys)
+    assert code == 2 and expected in err
