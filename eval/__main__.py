@@ -176,6 +176,9 @@ def _parser() -> argparse.ArgumentParser:
     costs.add_argument("--baseline", default="upstream", help="the config every cost is compared with")
     costs.add_argument("--shared-prefix", type=int, default=0,
                        help="model every question behind one cached system prompt of this many tokens")
+    costs.add_argument("--answer-oracle", action="store_true",
+                       help="add the bound no answer-level decision can beat: the local answer where it is right, "
+                            "else the upstream's (needs the run's local and upstream records)")
     costs.set_defaults(command=_costs)
     return parser
 
@@ -648,7 +651,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _costs(args: argparse.Namespace) -> int:
-    from eval.costs import load_sheet, repriced_table
+    from eval.costs import answer_oracle, load_sheet, repriced_table
     from eval.report import load
 
     configs = load(args.runs_dir / args.run_name, args.dataset, parse_rows(args.rows), args.configs)
@@ -658,6 +661,10 @@ def _costs(args: argparse.Namespace) -> int:
     for sheet in sheets:
         print(f"- {sheet.name}: {sheet.source or sheet}")
     records = {name: found for name, (_, found) in configs.items()}
+    if args.answer_oracle:
+        if not records.get("local") or not records.get("upstream"):
+            raise ValueError("--answer-oracle needs the run's local and upstream records")
+        records["answer oracle (bound)"] = answer_oracle(records["local"], records["upstream"])
     print("\n" + repriced_table(records, sheets, args.baseline, args.shared_prefix), end="")
     return 0
 

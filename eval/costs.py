@@ -116,6 +116,15 @@ def repriced_table(configs: dict[str, list[dict[str, Any]]], sheets: Sequence[Pr
     return "\n".join(lines) + "\n"
 
 
+def answer_oracle(local: Sequence[dict[str, Any]], upstream: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The best any answer-level decision could do: the local answer where it is right, else the
+    upstream asked directly (its record as is: the local attempt costs no upstream token). It reads
+    the gold answer, so it bounds what an answer check, a draft or an escalation can save; it is not
+    a configuration. Rows missing from either run are left out."""
+    asked = {record["id"]: record for record in upstream}
+    return [record if record["correct"] else asked[record["id"]] for record in local if record["id"] in asked]
+
+
 def _per_1k_correct(records: Sequence[dict[str, Any]], sheet: PriceSheet, shared_prefix: int) -> float:
     correct = sum(1 for r in records if r["correct"])
     return 1000 * sum(sheet.usd(r, shared_prefix) for r in records) / correct if correct else math.inf
