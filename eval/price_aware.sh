@@ -147,3 +147,18 @@ $EVAL report --dataset humaneval --run-name "$run" --paired
 $EVAL run --dataset gsm8k --rows 200:300 --max-tokens 512 --run-name price_mixed_gsm8k_draft --warm --block 2 --threads 2 --flash-attn \
   --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai --configs learned@0.05,from=traffic
 $EVAL report --dataset gsm8k --rows 200:300 --run-name price_mixed_gsm8k_draft --paired
+
+# What the 0.5x target allows: each task's bound for answer-level choices (the local answer where it
+# is right, else the upstream's), priced beside the configs above, bare and behind a cached prompt
+bound() {  # dataset, run, rows
+  for prefix in 0 1500; do
+    $EVAL costs --dataset "$1" --run-name "$2" --rows "$3" --answer-oracle --shared-prefix $prefix \
+      --sheet frontier-openai --sheet deepseek --sheet frontier-anthropic
+  done
+}
+bound gsm8k price_mixed_gsm8k_draft 200:300
+bound humaneval price_humaneval_draft 0:164
+bound ifeval price_mixed_ifeval_draft 150:200
+bound csqa price_csqa_frontier-openai 0:200
+$EVAL costs --dataset csqa --run-name price_csqa_system1500_frontier-openai --answer-oracle \
+  --sheet frontier-openai --sheet deepseek --sheet frontier-anthropic
