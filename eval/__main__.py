@@ -177,8 +177,9 @@ def _parser() -> argparse.ArgumentParser:
     costs.add_argument("--shared-prefix", type=int, default=0,
                        help="model every question behind one cached system prompt of this many tokens")
     costs.add_argument("--answer-oracle", action="store_true",
-                       help="add the bound no answer-level decision can beat: the local answer where it is right, "
-                            "else the upstream's (needs the run's local and upstream records)")
+                       help="add two choices that read the gold answer (eval.costs.answer_oracles): a perfect check "
+                            "of the local answer, and one knowing the upstream's answer too (needs the run's local "
+                            "and upstream records)")
     costs.set_defaults(command=_costs)
     return parser
 
@@ -651,7 +652,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _costs(args: argparse.Namespace) -> int:
-    from eval.costs import answer_oracle, load_sheet, repriced_table
+    from eval.costs import answer_oracles, load_sheet, repriced_table
     from eval.report import load
 
     configs = load(args.runs_dir / args.run_name, args.dataset, parse_rows(args.rows), args.configs)
@@ -664,7 +665,7 @@ def _costs(args: argparse.Namespace) -> int:
     if args.answer_oracle:
         if not records.get("local") or not records.get("upstream"):
             raise ValueError("--answer-oracle needs the run's local and upstream records")
-        records["answer oracle (bound)"] = answer_oracle(records["local"], records["upstream"])
+        records.update(answer_oracles(records["local"], records["upstream"]))
     print("\n" + repriced_table(records, sheets, args.baseline, args.shared_prefix), end="")
     return 0
 

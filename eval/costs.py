@@ -116,13 +116,22 @@ def repriced_table(configs: dict[str, list[dict[str, Any]]], sheets: Sequence[Pr
     return "\n".join(lines) + "\n"
 
 
-def answer_oracle(local: Sequence[dict[str, Any]], upstream: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The best any answer-level decision could do: the local answer where it is right, else the
-    upstream asked directly (its record as is: the local attempt costs no upstream token). It reads
-    the gold answer, so it bounds what an answer check, a draft or an escalation can save; it is not
-    a configuration. Rows missing from either run are left out."""
+def answer_oracles(local: Sequence[dict[str, Any]], upstream: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Two choices between the local answer and asking the upstream directly that read the gold
+    answer, so no gateway can make them; they price what a better choice could save (rows missing
+    from either run are left out):
+
+    - a perfect answer check: the upstream is asked for exactly the local answers that are wrong.
+      No check of the local answer (a draft, an escalation, `escalate_below`) can be more accurate,
+      and one as accurate pays at least this.
+    - knowing the upstream's answer too: it is asked only where it is right and the local answer
+      is not. The most accurate choice at the least cost; below the first only by not paying for
+      questions the upstream gets wrong as well, which no choice made before asking can know."""
     asked = {record["id"]: record for record in upstream}
-    return [record if record["correct"] else asked[record["id"]] for record in local if record["id"] in asked]
+    pairs = [(record, asked[record["id"]]) for record in local if record["id"] in asked]
+    return {"perfect answer check": [mine if mine["correct"] else theirs for mine, theirs in pairs],
+            "knowing both answers": [theirs if theirs["correct"] and not mine["correct"] else mine
+                                     for mine, theirs in pairs]}
 
 
 def _per_1k_correct(records: Sequence[dict[str, Any]], sheet: PriceSheet, shared_prefix: int) -> float:

@@ -150,9 +150,10 @@ def alias_files(settings: Settings) -> dict[str, tuple[Router | None, AnswerChec
     files = {}
     for name, alias in settings.aliases.items():
         routing, local = alias.routing, settings.models.local[alias.local]
-        local_sha = model_sha256(local.gguf) if routing.router or routing.answer_check else ""  # hashing takes a while
-        files[name] = (Router.load(routing.router, local_sha) if routing.router else None,
-                       AnswerCheck.load(routing.answer_check, local_sha) if routing.answer_check else None)
+        needs_sha = routing.router is not None or routing.answer_check is not None
+        local_sha = model_sha256(local.gguf) if needs_sha else ""  # hashing a model given by path takes a while
+        files[name] = (None if routing.router is None else Router.load(routing.router, local_sha),
+                       None if routing.answer_check is None else AnswerCheck.load(routing.answer_check, local_sha))
     return files
 
 

@@ -52,3 +52,10 @@ def test_a_router_the_gateway_cannot_use_is_an_error(tmp_path, capsys, sha, shar
                                                                  "router": router_file(tmp_path, sha=sha)}}
     code, _, err = check(config, tmp_path, capsys)
     assert code == 2 and expected in err
+
+
+def test_a_missing_model_file_is_an_error(tmp_path, capsys):
+    config = gateway_config(None)
+    config["models"]["local"]["smol"]["gguf"] = str(tmp_path / "missing.gguf")
+    code, _, err = check(config, tmp_path, capsys)
+    assert code == 2 and "model file not found" in err

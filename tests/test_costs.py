@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eval.costs import SHEETS_BY_NAME, PriceSheet, answer_oracle, load_sheet, repriced_table
+from eval.costs import SHEETS_BY_NAME, PriceSheet, answer_oracles, load_sheet, repriced_table
 
 ROUTED = {"upstream_calls": 4, "upstream_prompt_tokens": 2000, "upstream_cached_tokens": 1500,
           "upstream_completion_tokens": 8, "upstream_compute_ms": 1800.0, "correct": True}
@@ -45,7 +45,10 @@ def test_sheets_load_by_name_or_from_a_file_and_compare_with_the_baseline(tmp_pa
     assert f"({routed_cost / direct_cost:.2f}x)" in table and "(1.00x)" in table
 
 
-def test_the_answer_oracle_keeps_right_local_answers_and_asks_for_the_rest():
-    local = [{**LOCAL, "id": "q0", "correct": True}, {**LOCAL, "id": "q1"}, {**LOCAL, "id": "q2"}]
-    upstream = [{**DIRECT, "id": "q0"}, {**DIRECT, "id": "q1", "correct": False}]  # q2 not asked yet
-    assert answer_oracle(local, upstream) == [local[0], upstream[1]]
+def test_the_oracles_ask_for_wrong_local_answers_and_knowing_both_only_where_the_upstream_is_right():
+    local = [{**LOCAL, "id": "q0", "correct": True}, {**LOCAL, "id": "q1"}, {**LOCAL, "id": "q2"},
+             {**LOCAL, "id": "q3"}]
+    upstream = [{**DIRECT, "id": "q0"}, {**DIRECT, "id": "q1", "correct": False}, {**DIRECT, "id": "q2"}]  # q3 not asked
+    oracles = answer_oracles(local, upstream)
+    assert oracles["perfect answer check"] == [local[0], upstream[1], upstream[2]]
+    assert oracles["knowing both answers"] == [local[0], local[1], upstream[2]]
