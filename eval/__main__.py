@@ -180,6 +180,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="add two choices that read the gold answer (eval.costs.answer_oracles): a perfect check "
                             "of the local answer, and one knowing the upstream's answer too (needs the run's local "
                             "and upstream records)")
+    costs.add_argument("--plot", type=Path, help="write accuracy against cost per correct answer here (PNG)")
+    costs.add_argument("--title", default=None, help="the plot's title")
     costs.set_defaults(command=_costs)
     return parser
 
@@ -652,7 +654,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _costs(args: argparse.Namespace) -> int:
-    from eval.costs import answer_oracles, load_sheet, repriced_table
+    from eval.costs import answer_oracles, load_sheet, repriced_plot, repriced_table
     from eval.report import load
 
     configs = load(args.runs_dir / args.run_name, args.dataset, parse_rows(args.rows), args.configs)
@@ -667,6 +669,10 @@ def _costs(args: argparse.Namespace) -> int:
             raise ValueError("--answer-oracle needs the run's local and upstream records")
         records.update(answer_oracles(records["local"], records["upstream"]))
     print("\n" + repriced_table(records, sheets, args.baseline, args.shared_prefix), end="")
+    if args.plot:
+        title = args.title or f"{args.dataset}, {args.run_name}"
+        repriced_plot(records, sheets, args.plot, title, args.baseline, args.shared_prefix)
+        print(f"plot: {args.plot}")
     return 0
 
 

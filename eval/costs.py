@@ -175,24 +175,70 @@ def cost_table(configs: dict[str, list[dict[str, Any]]]) -> str:
 
 def cost_plot(configs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
     """Cost per correct answer (x, one panel per sheet) against accuracy (y)."""
+    summaries = {name: cost_summary(records) for name, records in configs.items() if records}
+    panels = [("compute_s_per_correct", "self-hosted: upstream compute s per correct answer"),
+              *((f"usd_per_1k_correct[{sheet}]", f"{sheet}: USD per 1k correct answers") for sheet in SHEETS)]
+    _scatter([(label, {name: (s[key], s["accuracy"]) for name, s in summaries.items()}) for key, label in panels],
+             path, title)
+
+
+def repriced_points(configs: dict[str, list[dict[str, Any]]], sheets: Sequence[PriceSheet], baseline: str = "upstream",
+                    shared_prefix: int = 0) -> tuple[list[tuple[str, dict[str, tuple[float, float]]]], dict[str, float]]:
+    """Per sheet, (its name, {config: (cost per correct answer as a multiple of the `baseline`
+    config's, accuracy)}), and the accuracy of each config that costs nothing (local only); a config
+    with no correct answer is left out."""
+    panels, levels = [], {}
+    for sheet in sheets:
+        base = _per_1k_correct(configs[baseline], sheet, shared_prefix)
+        points = {}
+        for name, records in configs.items():
+            cost = _per_1k_correct(records, sheet, shared_prefix) if records else math.inf
+            accuracy = sum(1 for r in records if r["correct"]) / len(records) if records else 0.0
+            if cost == 0:
+                levels[name] = accuracy
+            elif cost < math.inf:
+                points[name] = (cost / base, accuracy)
+        panels.append((sheet.name, points))
+    return panels, levels
+
+
+def repriced_plot(configs: dict[str, list[dict[str, Any]]], sheets: Sequence[PriceSheet], path: Path, title: str,
+                  baseline: str = "upstream", shared_prefix: int = 0) -> None:
+    """Accuracy (y) against cost per correct answer as a multiple of the `baseline` config's (x), one
+    panel per sheet, the baseline's 1x and half of it marked, and a config that costs nothing as a
+    horizontal line at its accuracy (`repriced_points`)."""
+    panels, levels = repriced_points(configs, sheets, baseline, shared_prefix)
+    _scatter([(f"{name}: cost per correct answer (x {baseline})", points) for name, points in panels],
+             path, title, marks=(0.5, 1.0), levels=levels)
+
+
+def _scatter(panels: Sequence[tuple[str, dict[str, tuple[float, float]]]], path: Path, title: str,
+             marks: Sequence[float] = (), levels: dict[str, float] | None = None) -> None:
+    """One panel per (x label, {config: (x, accuracy)}), the same marker per config in every panel;
+    `marks` are vertical lines at those x, `levels` horizontal ones at a config's accuracy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summaries = {name: cost_summary(records) for name, records in configs.items() if records}
-    panels = [("compute_s_per_correct", "self-hosted: upstream compute s per correct answer"),
-              *((f"usd_per_1k_correct[{sheet}]", f"{sheet}: USD per 1k correct answers") for sheet in SHEETS)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.6), sharey=True)
+    names = [*dict.fromkeys(name for _, points in panels for name in points), *(levels or {})]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.6), sharey=True, squeeze=False)
     markers = "osD^v<>phX*"
-    for ax, (key, label) in zip(axes, panels):
-        for index, (name, s) in enumerate(summaries.items()):
-            ax.scatter(s[key], s["accuracy"], s=40, marker=markers[index % len(markers)], label=name, alpha=0.8)
+    for ax, (label, points) in zip(axes[0], panels):
+        for name, (x, accuracy) in points.items():
+            index = names.index(name)
+            ax.scatter(x, accuracy, s=40, marker=markers[index % len(markers)], color=f"C{index % 10}",
+                       label=name, alpha=0.8)
+        for mark in marks:
+            ax.axvline(mark, color="grey", linestyle=":", linewidth=1)
+        for name, accuracy in (levels or {}).items():
+            ax.axhline(accuracy, color="black", linestyle="--", linewidth=1, label=f"{name} (costs nothing)")
         ax.set_xlabel(label, fontsize=8)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("accuracy")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(4, len(summaries)), fontsize=8)
+    axes[0][0].set_ylabel("accuracy")
+    handles = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(3, len(names)), fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.tight_layout(rect=(0, 0.06 * (1 + (len(names) - 1) // 3), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eval.costs import SHEETS_BY_NAME, PriceSheet, answer_oracles, load_sheet, repriced_table
+from eval.costs import SHEETS_BY_NAME, PriceSheet, answer_oracles, load_sheet, repriced_points, repriced_table
 
 ROUTED = {"upstream_calls": 4, "upstream_prompt_tokens": 2000, "upstream_cached_tokens": 1500,
           "upstream_completion_tokens": 8, "upstream_compute_ms": 1800.0, "correct": True}
@@ -52,3 +52,15 @@ def test_the_oracles_ask_for_wrong_local_answers_and_knowing_both_only_where_the
     oracles = answer_oracles(local, upstream)
     assert oracles["perfect answer check"] == [local[0], upstream[1], upstream[2]]
     assert oracles["knowing both answers"] == [local[0], local[1], upstream[2]]
+
+
+def test_the_plot_places_each_config_by_its_cost_against_the_baseline_and_local_as_a_level():
+    sheet = PriceSheet("s", input=1.0, output=10.0)
+    configs = {"upstream": [DIRECT, {**DIRECT, "correct": False}],  # 2,100 per call, one right answer of two
+               "routed": [ROUTED, ROUTED],  # 500 fresh prompt tokens + 8 x 10 (cached reads free here), both right
+               "local": [{**LOCAL, "correct": True}, LOCAL], "hopeless": [{**ROUTED, "correct": False}]}
+    panels, levels = repriced_points(configs, [sheet])
+    assert panels[0][0] == "s" and levels == {"local": 0.5}
+    assert panels[0][1]["upstream"] == (1.0, 0.5)
+    assert panels[0][1]["routed"] == pytest.approx((580 / 4200, 1.0))  # per correct answer: 580 against 4,200
+    assert "hopeless" not in panels[0][1]
