@@ -60,3 +60,12 @@ for task in "gsm8k learned_gsm8k 100:199" "humaneval learned_humaneval 1:148:2" 
   $EVAL afresh --dataset "$1" --run-name afresh_mixed --from-run "$2" --rows "$3" --check $M/check.json --at-shares
   $EVAL costs --dataset "$1" --run-name afresh_mixed --sheet frontier-openai
 done
+
+# 5. a second untouched slice, dev rows 200-299: the same check and value, derived from the local and
+#    upstream-only answers decoded beside the draft run (eval/price_aware.sh)
+mkdir -p results/runs/afresh_gsm8k_untouched
+$EVAL afresh --dataset gsm8k --run-name afresh_gsm8k_untouched --from-run price_mixed_gsm8k_draft --rows 200:300 \
+  --check $CHECK --below "$CHOSEN" --at-shares
+$EVAL costs --dataset gsm8k --run-name afresh_gsm8k_untouched --rows 200:300 --sheet frontier-openai \
+  --sheet deepseek --sheet frontier-anthropic --sheet self-hosted
+$EVAL report --dataset gsm8k --run-name afresh_gsm8k_untouched --rows 200:300 --paired
