@@ -162,3 +162,11 @@ bound ifeval price_mixed_ifeval_draft 150:200
 bound csqa price_csqa_frontier-openai 0:200
 $EVAL costs --dataset csqa --run-name price_csqa_system1500_frontier-openai --answer-oracle \
   --sheet frontier-openai --sheet deepseek --sheet frontier-anthropic
+
+# The upstream writing the opening (one hand-off of the first 32 tokens, then local), fixed before
+# the run, on the same untouched GSM8K rows (flash attention off, as served)
+$EVAL run --dataset gsm8k --rows 200:300 --max-tokens 512 --run-name price_mixed_gsm8k_draft --warm --block 2 --threads 2 \
+  --configs first@1,span=32
+$EVAL costs --dataset gsm8k --rows 200:300 --run-name price_mixed_gsm8k_draft --answer-oracle \
+  --sheet frontier-openai --sheet deepseek --sheet frontier-anthropic --plot docs/results_price_gsm8k.png \
+  --title "GSM8K, untouched dev rows 200-299: price-aware configs and what a perfect choice would cost"
