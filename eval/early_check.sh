@@ -41,3 +41,13 @@ if [ -n "${CHOSEN:-}" ]; then
   $EVAL afresh --dataset gsm8k --run-name early_gsm8k_compare --from-run early_gsm8k_live --check $CHECK \
     --below "$CHOSEN" --against early_gsm8k_live
 fi
+# 6. a second untouched slice, dev rows 200-299: the local answers decoded beside the draft run
+#    (eval/price_aware.sh), their signals, and the chosen value derived on them
+if [ -n "${CHOSEN:-}" ]; then
+  $EVAL analyze --dataset gsm8k --rows 200:300 --run-name price_mixed_gsm8k_draft --answers local --threads 2
+  mkdir -p results/runs/early_gsm8k_untouched
+  $EVAL afresh --dataset gsm8k --run-name early_gsm8k_untouched --from-run price_mixed_gsm8k_draft --rows 200:300 \
+    --check $CHECK --below "$CHOSEN" --at-shares
+  $EVAL costs --dataset gsm8k --run-name early_gsm8k_untouched --rows 200:300 $SHEETS
+  $EVAL report --dataset gsm8k --run-name early_gsm8k_untouched --rows 200:300 --paired
+fi
