@@ -38,7 +38,8 @@ def test_every_token_upstream_costs_more_than_asking_directly(client):
 
 
 def test_an_answer_the_upstream_writes_in_one_call_costs_what_asking_directly_does(client):
-    answer = client.chat.completions.create(model="routed", messages=ASK, max_tokens=64, temperature=0.7, seed=7,
+    # greedy: a sampled list ran past 64 tokens on one CPU and ended 'length', where no end token is billed
+    answer = client.chat.completions.create(model="routed", messages=ASK, max_tokens=64, temperature=0,
                                             extra_body={"routing": {"policy": "always", "span": 64}})
     routing = answer.usage.model_extra["routing"]
     assert answer.choices[0].finish_reason == "stop" and routing["upstream_calls"] == 1
