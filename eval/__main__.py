@@ -670,6 +670,8 @@ def _costs(args: argparse.Namespace) -> int:
         records.update(answer_oracles(records["local"], records["upstream"]))
     print("\n" + repriced_table(records, sheets, args.baseline, args.shared_prefix), end="")
     if args.plot:
+        if not records.get(args.baseline):
+            raise ValueError(f"--plot prices every config against {args.baseline!r}, and the run has no such records")
         title = args.title or f"{args.dataset}, {args.run_name}"
         repriced_plot(records, sheets, args.plot, title, args.baseline, args.shared_prefix)
         print(f"plot: {args.plot}")
