@@ -34,6 +34,12 @@ if [ -n "${CHOSEN:-}" ]; then
   $EVAL costs --dataset humaneval --run-name code_check_humaneval $SHEETS
   $EVAL costs --dataset humaneval --run-name code_check_humaneval $SHEETS --shared-prefix 1500
   $EVAL report --dataset humaneval --run-name code_check_humaneval --paired
+  # the plot, beside the draft of eval/price_aware.sh on the same answers and what a perfect check would cost
+  cp -n "results/runs/price_humaneval_draft/humaneval__learned@0.05,from=traffic,value=1,escalation=draft.jsonl" \
+    results/runs/code_check_humaneval/
+  $EVAL costs --dataset humaneval --run-name code_check_humaneval --answer-oracle --sheet frontier-openai \
+    --sheet deepseek --sheet frontier-anthropic --plot docs/results_code_check_humaneval.png \
+    --title "HumanEval, all 164: the code check (fitted and chosen on MBPP) and the draft"
 fi
 # 4. decoded for real on every eighth HumanEval problem (local, upstream-only and the chosen config in
 #    one run, so that the derived records come from answers decoded on the same machine), derived again
