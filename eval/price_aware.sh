@@ -170,3 +170,16 @@ $EVAL run --dataset gsm8k --rows 200:300 --max-tokens 512 --run-name price_mixed
 $EVAL costs --dataset gsm8k --rows 200:300 --run-name price_mixed_gsm8k_draft --answer-oracle \
   --sheet frontier-openai --sheet deepseek --sheet frontier-anthropic --plot docs/results_price_gsm8k.png \
   --title "GSM8K, untouched dev rows 200-299: price-aware configs and what a perfect choice would cost"
+
+# IFEval rows 59-99 as well: rows the mixed router never saw (it fitted on rows 0-58 and its
+# thresholds on 100-149; the draft and afresh choices were made before any of these runs), so with
+# rows 150-199 91 rows nothing of these configs was fitted or chosen on
+$EVAL run --dataset ifeval --rows 59:100 --run-name price_mixed_ifeval_draft --block 4 --threads 2 \
+  --router routers/mixed-qwen2.5-coder-0.5b.json --decision-sheet frontier-openai --configs local upstream \
+  learned@0.05,from=traffic learned@0.05,from=traffic,value=1,escalation=afresh \
+  learned@0.05,from=traffic,value=1,escalation=draft
+$EVAL report --dataset ifeval --run-name price_mixed_ifeval_draft --paired
+for prefix in 0 1500; do
+  $EVAL costs --dataset ifeval --run-name price_mixed_ifeval_draft --shared-prefix $prefix --answer-oracle \
+    --sheet frontier-openai --sheet deepseek --sheet frontier-anthropic --sheet self-hosted
+done
