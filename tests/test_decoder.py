@@ -215,18 +215,35 @@ async def test_a_fresh_escalation_past_the_ceiling_is_made_only_where_on_ceiling
 
 
 @pytest.mark.parametrize("escalation", ["continue", "afresh"])
-async def test_calls_after_an_escalation_stay_under_the_ceiling_under_on_ceiling_local(escalation):
-    # The fake upstream counts a character a token, so the escalation's call stops short of the
-    # answer's end in local tokens and the answer asks again: those calls are held too.
+async def test_an_escalation_that_stops_by_its_own_length_ends_the_answer_under_the_ceiling(escalation):
+    # The fake upstream counts a character a token, so the escalation's call stops by length short
+    # of the answer's limit in local tokens: a direct call would have stopped there too, so no call
+    # follows it for the difference (which would bill the whole prompt again).
     upstream = FakeUpstream("Paris is nice.", chars_per_token=1)
-    unsure = unsure_local()
     limit = ceiling(5.0)
-    decoding, _ = make(unsure, upstream, ceiling=limit, answer_value=1000.0, escalation=escalation, held=True,
+    decoding, _ = make(unsure_local(), upstream, ceiling=limit, answer_value=1000.0, escalation=escalation, held=True,
                        max_tokens=6)
     await run(decoding)
-    assert decoding.usage.escalated and "cost_ceiling" in decoding.usage.degraded
+    assert decoding.usage.escalated and decoding.finish_reason == "length" and len(decoding.answer_tokens) < 6
+    if escalation == "afresh":
+        assert decoding.usage.afresh and upstream.calls[-1].answer == ""  # the fresh call was the last
     assert limit.held_usd == 0 and limit.spent_usd <= 5.0 * limit.direct_usd()
     invariant(decoding)
+
+
+async def test_an_upstream_answer_that_stops_by_its_own_length_is_one_call_as_asking_directly_is():
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=1)  # 6 "tokens": "Paris ", two local ones
+    decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, span=6, max_tokens=6)
+    text = "".join(p.text for p in await run(decoding))
+    assert text == "Paris " and len(decoding.answer_tokens) == 2
+    assert len(upstream.calls) == decoding.usage.upstream_calls == 1 and decoding.finish_reason == "length"
+
+
+async def test_a_span_cut_at_a_word_short_of_the_limit_is_not_the_answer_s_end():
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=3)
+    decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, span=4, max_tokens=4, span_until="word")
+    text = "".join(p.text for p in await run(decoding))
+    assert len(upstream.calls) > 1 and text.startswith("Paris is")  # the cut span was followed by more
 
 
 async def test_choices_sharing_a_ceiling_stay_under_it_with_fresh_escalations_refused_or_made():
@@ -235,8 +252,9 @@ async def test_choices_sharing_a_ceiling_stay_under_it_with_fresh_escalations_re
     choices = [make(unsure_local(), upstream, ceiling=limit, answer_value=1000.0, escalation="afresh", held=True,
                     max_tokens=6, choice=c)[0] for c in (0, 1)]
     await asyncio.gather(*(run(decoding) for decoding in choices))
-    assert sorted(decoding.usage.afresh for decoding in choices) == [False, True]  # one made, one refused
-    assert all("cost_ceiling" in decoding.usage.degraded for decoding in choices)
+    refused, made = sorted(choices, key=lambda decoding: decoding.usage.afresh)
+    assert not refused.usage.afresh and made.usage.afresh
+    assert "cost_ceiling" in refused.usage.degraded and made.finish_reason == "length"  # made in one call
     assert limit.held_usd == 0 and limit.spent_usd <= 5.0 * limit.direct_usd()
     assert limit.spent_usd == pytest.approx(sum(decoding.usage.upstream_cost_usd for decoding in choices))
 

@@ -334,7 +334,7 @@ class Decoding:
         self.text, self.finish_reason, self._end_token = TextReleaser(self.request.stop), None, False
         if self._grammar is not None:
             got = self._grammar_cut(*got)
-        return [await self._append_upstream(sequence, *got, first)]
+        return [await self._append_upstream(sequence, *got, first, to_limit=self._grammar is None)]
 
     async def _forward(self, sequence: Sequence, answer: list[int]) -> np.ndarray:
         """Next-token logits after `answer`, with the request's penalties and logit_bias applied."""
@@ -495,7 +495,8 @@ class Decoding:
         if got is None or (not got[0] and not got[1]):
             pieces = [await self._local_step(logits, signal)]
         else:
-            pieces = [await self._append_upstream(sequence, *got, signal)]
+            uncut = self._grammar is None and (self.usage.escalated or self.request.span_until == "tokens")
+            pieces = [await self._append_upstream(sequence, *got, signal, to_limit=uncut and span >= rest)]
         return pieces + self._keep_guesses(before, guesses)
 
     async def _escalated_afresh(self, sequence: Sequence, logits: np.ndarray, signal: Signal) -> list[Piece]:
@@ -511,9 +512,9 @@ class Decoding:
     def _hold_under_ceiling(self, span: int) -> float | None:
         """The worst case of this hand-off, held against the request's cost ceiling (0 with none,
         or once escalated under on_ceiling: escalate, which may pass it); None past it: the answer
-        stays local from here (on_ceiling: local) and the reason is reported. An escalation's call
-        may stop short of the answer's end (the upstream counts tokens its own way), so the calls
-        after it are held too."""
+        stays local from here (on_ceiling: local) and the reason is reported. An escalation may
+        need more than one call (a grammar's shorter span, a call that failed), so the calls after
+        it are held too."""
         ceiling = self.request.ceiling
         if not self._capped_cost or (self.usage.escalated and self.request.on_ceiling == "escalate"):
             return 0.0
@@ -526,11 +527,17 @@ class Decoding:
         return held
 
     async def _append_upstream(self, sequence: Sequence, text: str, finished: bool, source: str,
-                               signal: Signal) -> Piece:
+                               signal: Signal, to_limit: bool = False) -> Piece:
+        """Append what a call wrote. `to_limit`: the call was asked for all the answer's limit allows,
+        uncut; if it stopped by length, so does the answer, as a direct call would have (its text may
+        re-tokenize into fewer local tokens than the upstream counted, and another call for the
+        difference would bill the whole prompt again)."""
         first_new, added = self._append_text(text, source)
         delta = self.text.feed(added)
         if finished and len(self.answer_tokens) < self.limit:  # else a direct call would have stopped by length
             self.finish_reason, self._end_token = "stop", not self.text.stopped
+        elif to_limit and not finished:
+            self.finish_reason = "length"
         self._check_end()
         logprobs = await self._score(sequence, first_new) if self.request.logprobs else ()
         return Piece(delta, tuple(self.answer_tokens[first_new:]), source, signal, logprobs)
