@@ -59,3 +59,35 @@ def test_a_missing_model_file_is_an_error(tmp_path, capsys):
     config["models"]["local"]["smol"]["gguf"] = str(tmp_path / "missing.gguf")
     code, _, err = check(config, tmp_path, capsys)
     assert code == 2 and "model file not found" in err
+
+
+def commented_routings() -> list[str]:
+    """Each `routing: {...}` example in the shipped config.yaml's comments, joined across its lines."""
+    examples, current = [], None
+    for line in (ROOT / "config.yaml").read_text().splitlines():
+        text = line.strip()
+        if not text.startswith("#"):
+            current = None
+            continue
+        text = text.lstrip("#").strip()
+        if current is None and text.startswith("routing: {"):
+            current = text.removeprefix("routing: ")
+        elif current is not None:
+            current += " " + text
+        if current is not None and current.endswith("}"):
+            examples.append(current)
+            current = None
+    return examples
+
+
+def test_the_shipped_config_comments_its_routing_examples():
+    assert len(commented_routings()) >= 5  # the learned router, mixed traffic, two answer checks, prices
+
+
+@pytest.mark.parametrize("example", commented_routings())
+def test_each_routing_example_in_the_shipped_config_passes_for_the_reference_local_model(example, tmp_path, capsys):
+    config = gateway_config("http://127.0.0.1:9/v1")
+    config["models"]["local"]["qwen"] = {"gguf": "qwen2.5-coder-0.5b-instruct", "n_ctx": 2048, "n_threads": 1}
+    config["aliases"]["example"] = {"local": "qwen", "upstream": "up", "routing": yaml.safe_load(example)}
+    code, out, err = check(config, tmp_path, capsys)
+    assert (code, err) == (0, "") and "example" in out
