@@ -40,9 +40,9 @@ if [ -n "${CHOSEN:-}" ]; then
   $EVAL costs --dataset humaneval --run-name code_check_humaneval --answer-oracle --sheet frontier-openai \
     --sheet deepseek --sheet frontier-anthropic --plot docs/results_code_check_humaneval.png \
     --title "HumanEval, all 164: the code check (fitted and chosen on MBPP) and the draft"
-  # 4. decoded for real on every eighth HumanEval problem (local, upstream-only and the chosen config
+  # 4. decoded for real on every fourth HumanEval problem (local, upstream-only and the chosen config
   #    in one run, so that the derived records come from answers decoded on the same machine), derived again
-  $EVAL run --dataset humaneval --rows 0:164:8 --run-name code_check_live --check $CHECK \
+  $EVAL run --dataset humaneval --rows 0:164:4 --run-name code_check_live --check $CHECK \
     --configs local upstream "local,afresh=$CHOSEN" --block 3 --threads 2
   $EVAL afresh --dataset humaneval --run-name code_check_compare --from-run code_check_live --check $CHECK \
     --below "$CHOSEN" --against code_check_live
