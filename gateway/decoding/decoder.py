@@ -495,7 +495,7 @@ class Decoding:
         if got is None or (not got[0] and not got[1]):
             pieces = [await self._local_step(logits, signal)]
         else:
-            uncut = self._grammar is None and (self.usage.escalated or self.request.span_until == "tokens")
+            uncut = self._grammar is None and self._span_until == "tokens"
             pieces = [await self._append_upstream(sequence, *got, signal, to_limit=uncut and span >= rest)]
         return pieces + self._keep_guesses(before, guesses)
 
@@ -585,13 +585,18 @@ class Decoding:
         self.usage.guess_kept_tokens += len(self.answer_tokens) - answered
         return pieces
 
+    @property
+    def _span_until(self) -> str:
+        """Where a hand-off's text is cut: the request's boundary, none once escalated (the rest is written whole)."""
+        return "tokens" if self.usage.escalated else self.request.span_until
+
     async def _continuation(self, handoff: Handoff, span: int) -> tuple[str, bool, str] | None:
         """(text, finished, source) from the cache or the upstream, cut at the request's span
         boundary; None to decode locally."""
         got = await self._uncut_continuation(handoff, span)
         if got is None:
             return None
-        text, cut = cut_span(got[0], "tokens" if self.usage.escalated else self.request.span_until)
+        text, cut = cut_span(got[0], self._span_until)
         return text, got[1] and not cut, got[2]
 
     async def _uncut_continuation(self, handoff: Handoff, span: int) -> tuple[str, bool, str] | None:
