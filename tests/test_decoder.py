@@ -12,7 +12,7 @@ from adapters.pricing import Prices
 from adapters.store import Limits, MemoryStore, StoreUnavailable
 from adapters.upstream import UpstreamRejected
 from gateway.admission.budget import HandoffGate, Ledger
-from gateway.decoding.cost_ceiling import CostCeiling
+from gateway.decoding.cost_ceiling import CostCeiling, cost_ratio
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import Sampling
 from policies import LOCAL, RecentValues, build_policy
@@ -237,6 +237,29 @@ async def test_an_upstream_answer_that_stops_by_its_own_length_is_one_call_as_as
     text = "".join(p.text for p in await run(decoding))
     assert text == "Paris " and len(decoding.answer_tokens) == 2
     assert len(upstream.calls) == decoding.usage.upstream_calls == 1 and decoding.finish_reason == "length"
+
+
+@pytest.mark.parametrize(("target", "max_tokens", "finish"), [("Paris is nice.", 6, "length"), ("Paris.", 20, "stop")])
+async def test_an_answer_the_upstream_wrote_in_one_call_costs_what_asking_directly_does(target, max_tokens, finish):
+    # A character a token: the upstream bills more tokens than its text re-tokenizes into locally.
+    # Asking directly bills the upstream's own count, so that is what the answer is compared with.
+    upstream = FakeUpstream(target, chars_per_token=1)
+    decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, span=max_tokens, max_tokens=max_tokens,
+                       ceiling=ceiling(None))
+    await run(decoding)
+    assert decoding.finish_reason == finish and decoding.usage.upstream_calls == 1
+    assert decoding.usage.upstream_completion_tokens > len(decoding.answer_tokens) + (finish == "stop")
+    assert cost_ratio([decoding]) == 1.0
+
+
+async def test_a_draft_asked_afresh_under_a_ceiling_of_one_bills_what_asking_directly_does():
+    upstream = FakeUpstream("Paris is nice.", chars_per_token=1)
+    limit = ceiling(1.0)
+    decoding, _ = make(unsure_local(), upstream, ceiling=limit, answer_value=1000.0, escalation="draft", held=True,
+                       max_tokens=6)
+    await run(decoding)
+    assert decoding.usage.afresh and len(upstream.calls) == 1 and "cost_ceiling" not in decoding.usage.degraded
+    assert limit.spent_usd == pytest.approx(limit.direct_usd()) and cost_ratio([decoding]) == 1.0
 
 
 async def test_a_span_cut_at_a_word_short_of_the_limit_is_not_the_answer_s_end():

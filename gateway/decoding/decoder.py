@@ -42,7 +42,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -71,6 +71,16 @@ CONTINUATION_BYTES = frozenset(bytes([b]) for b in range(0x80, 0xC0))  # UTF-8 b
 GRAMMAR_SPAN = 16
 RESERVATION_MARGIN_S = 30.0  # a reservation outlives its call's worst case by this much
 log = logging.getLogger("gateway.decoding.decoder")
+
+
+class Written(NamedTuple):
+    """What a hand-off wrote: `finished` if the upstream ended the answer there; `billed_tokens`,
+    the completion tokens the upstream billed for exactly this text (None from the cache or once cut)."""
+
+    text: str
+    finished: bool
+    source: str
+    billed_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +197,9 @@ class Decoding:
         self.usage = RoutingUsage(policy=request.policy.name)
         self.finish_reason: str | None = None
         self._end_token = False  # the answer ended on the model's end-of-generation token, which a direct call bills
+        # the upstream's count of the text it wrote for the rest of the answer in one call, less the local
+        # tokens that text became: asking directly bills the upstream's count, so the cost ceiling uses it
+        self._upstream_count_extra = 0
         # OpenAI's seed is any 64-bit integer; numpy's seeds are non-negative
         self._rng = np.random.default_rng(None if request.seed is None else request.seed % 2**64)
         self._handoff = self._first_handoff(upstream, request, gate.cache_scope)
@@ -259,7 +272,7 @@ class Decoding:
                     yield piece
         finally:
             if self.request.ceiling is not None:  # the answer's length as a direct call bills it, for cost_ratio
-                self.request.ceiling.note(self.request.choice, len(self.answer_tokens) + self._end_token)
+                self.request.ceiling.note(self.request.choice, self._direct_length + self._end_token)
             if self.request.answer_lengths is not None and self.finish_reason is not None:
                 self.request.answer_lengths.add(len(self.answer_tokens))
             if self._warming is not None:
@@ -315,7 +328,7 @@ class Decoding:
             if hold is None:
                 self.usage.degrade("cost_ceiling")
                 if bounded:
-                    self.request.ceiling.note(self.request.choice, len(self.answer_tokens))  # the answer stands
+                    self.request.ceiling.note(self.request.choice, self._direct_length)  # the answer stands
                     return None
                 hold = 0.0  # past the ceiling, as on_ceiling: escalate allows
         billed_before = self.usage.upstream_cost_usd
@@ -332,6 +345,7 @@ class Decoding:
         self._handoff = handoff
         self.answer_tokens, self.sources, self.answer_bytes = [], [], bytearray()
         self.text, self.finish_reason, self._end_token = TextReleaser(self.request.stop), None, False
+        self._upstream_count_extra = 0
         if self._grammar is not None:
             got = self._grammar_cut(*got)
         return [await self._append_upstream(sequence, *got, first, to_limit=self._grammar is None)]
@@ -492,7 +506,7 @@ class Decoding:
         before = list(self.answer_tokens)
         if got is not None and self._grammar is not None:
             got = self._grammar_cut(*got)
-        if got is None or (not got[0] and not got[1]):
+        if got is None or (not got.text and not got.finished):
             pieces = [await self._local_step(logits, signal)]
         else:
             uncut = self._grammar is None and self._span_until == "tokens"
@@ -518,7 +532,7 @@ class Decoding:
         ceiling = self.request.ceiling
         if not self._capped_cost or (self.usage.escalated and self.request.on_ceiling == "escalate"):
             return 0.0
-        held = ceiling.hold(self.request.choice, len(self.answer_tokens),
+        held = ceiling.hold(self.request.choice, self._direct_length,
                             self.upstream.estimate_prompt_tokens(self._handoff), span)
         if held is None:
             self.usage.degrade("cost_ceiling")
@@ -526,13 +540,24 @@ class Decoding:
                 self._upstream_closed = True
         return held
 
+    @property
+    def _direct_length(self) -> int:
+        """The answer's tokens so far as asking the upstream directly would bill them: the upstream's
+        own count of what it wrote for the rest of the answer in one call, the local count of the rest
+        (a span's count would overstate it where its tokens re-merge with the local ones)."""
+        return len(self.answer_tokens) + self._upstream_count_extra
+
     async def _append_upstream(self, sequence: Sequence, text: str, finished: bool, source: str,
-                               signal: Signal, to_limit: bool = False) -> Piece:
-        """Append what a call wrote. `to_limit`: the call was asked for all the answer's limit allows,
-        uncut; if it stopped by length, so does the answer, as a direct call would have (its text may
-        re-tokenize into fewer local tokens than the upstream counted, and another call for the
-        difference would bill the whole prompt again)."""
+                               billed_tokens: int | None, signal: Signal, to_limit: bool = False) -> Piece:
+        """Append what a call wrote (a Written, unpacked). `to_limit`: the call was asked for all the
+        answer's limit allows, uncut; if it stopped by length, so does the answer, as a direct call
+        would have (its text may re-tokenize into fewer local tokens than the upstream counted, and
+        another call for the difference would bill the whole prompt again)."""
+        length_before = len(self.answer_tokens)
         first_new, added = self._append_text(text, source)
+        # kept whole (not cut at the limit), its end token, if any, counted with the answer's end
+        if to_limit and billed_tokens is not None and added == text.encode("utf-8"):
+            self._upstream_count_extra += billed_tokens - finished - (len(self.answer_tokens) - length_before)
         delta = self.text.feed(added)
         if finished and len(self.answer_tokens) < self.limit:  # else a direct call would have stopped by length
             self.finish_reason, self._end_token = "stop", not self.text.stopped
@@ -542,15 +567,15 @@ class Decoding:
         logprobs = await self._score(sequence, first_new) if self.request.logprobs else ()
         return Piece(delta, tuple(self.answer_tokens[first_new:]), source, signal, logprobs)
 
-    def _grammar_cut(self, text: str, finished: bool, source: str) -> tuple[str, bool, str]:
+    def _grammar_cut(self, text: str, finished: bool, source: str, billed_tokens: int | None) -> Written:
         """The upstream's text as far as the grammar accepts it; finished only if all of it was
         accepted and the grammar is complete there. A cut inside a character drops its bytes."""
         tokens = self.local.tokenize_text(text.encode("utf-8"))
         kept = self._grammar.accepted(self.answer_tokens, tokens)
         kept_text = b"".join(self.local.token_bytes(t) for t in tokens[:kept]).decode("utf-8", "ignore")
-        finished = finished and kept == len(tokens) and \
-            self._grammar.allows(self.answer_tokens + tokens, self.local.end_token)
-        return kept_text, finished, source
+        whole = kept == len(tokens)
+        finished = finished and whole and self._grammar.allows(self.answer_tokens + tokens, self.local.end_token)
+        return Written(kept_text, finished, source, billed_tokens if whole else None)
 
     async def _guess(self, sequence: Sequence, logits: np.ndarray, signal: Signal, call: asyncio.Future) -> list[Guess]:
         """Greedy local tokens from this step on, decoded until the hand-off `call` is done."""
@@ -590,28 +615,27 @@ class Decoding:
         """Where a hand-off's text is cut: the request's boundary, none once escalated (the rest is written whole)."""
         return "tokens" if self.usage.escalated else self.request.span_until
 
-    async def _continuation(self, handoff: Handoff, span: int) -> tuple[str, bool, str] | None:
-        """(text, finished, source) from the cache or the upstream, cut at the request's span
-        boundary; None to decode locally."""
+    async def _continuation(self, handoff: Handoff, span: int) -> Written | None:
+        """What the cache or the upstream wrote, cut at the request's span boundary; None to decode locally."""
         got = await self._uncut_continuation(handoff, span)
         if got is None:
             return None
-        text, cut = cut_span(got[0], self._span_until)
-        return text, got[1] and not cut, got[2]
+        text, cut = cut_span(got.text, self._span_until)
+        return Written(text, got.finished and not cut, got.source, None if cut else got.billed_tokens)
 
-    async def _uncut_continuation(self, handoff: Handoff, span: int) -> tuple[str, bool, str] | None:
+    async def _uncut_continuation(self, handoff: Handoff, span: int) -> Written | None:
         deterministic = self.request.sampling.greedy
         key = self.upstream.cache_key(handoff, span, self.gate.cache_scope)
         if deterministic:
             cached = await self.gate.cache_get(key)
             if cached is not None:
-                return cached[1:], cached[0] == "1", CACHE
+                return Written(cached[1:], cached[0] == "1", CACHE)
         continuation = await self._warmed(handoff, span) or await self._call_upstream(handoff, span)
         if continuation is None:
             return None
         if deterministic:
             await self.gate.cache_put(key, ("1" if continuation.finished else "0") + continuation.text)
-        return continuation.text, continuation.finished, UPSTREAM
+        return Written(continuation.text, continuation.finished, UPSTREAM, continuation.completion_tokens)
 
     async def _warmed(self, handoff: Handoff, span: int) -> Continuation | None:
         """Wait for the warm-up (this hand-off extends its sequence). The token it wrote is this
