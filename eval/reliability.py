@@ -1,0 +1,179 @@
+"""Whether a learned router's probability is the chance that the upstream writes another token,
+where it is fitted (the upstream's answers, teacher-forced) and where it serves (the local model's
+own answers). The price-aware policy multiplies it by a value, so it should be a probability there.
+
+    python -m eval.reliability label --source csqa,reference,0:100 --source gsm8k,learned_gsm8k,100:199 ...
+    python -m eval.reliability report --router routers/mixed-qwen2.5-coder-0.5b.json \\
+        --held-out csqa,router,0:100 ... --live csqa,reference,0:100 ... --plot docs/results_reliability_mixed.png
+
+`label` teacher-forces the upstream model on the local model's recorded answers (the `local`
+config of each DATASET,RUN[,ROWS]); a position is labelled where the upstream's greedy token is
+another than the local one: the mismatch label of the positions a router reads live, which
+`analyze --answers local` cannot give (it compares the local model with itself). `report` reads
+those labels with the local answers' own analysis records (the router's inputs) and prints, per
+task, the router's mean probability against the labelled share, its expected calibration error
+over ten bins of equal counts, and its AUROC beside top-1's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from eval.analysis import auroc, reliability
+from eval.datasets import load_items
+from eval.mixed_router import RUNS_DIR, load
+from eval.records import analysis_path, append_record, parse_source, read_records, records_path
+from policies.learned import FEATURES, Router
+
+UPSTREAM = "qwen2.5-coder-1.5b-instruct"
+LABELS = "local_labels"  # analysis_path's name for the upstream's labels of the local answers
+BINS = 10
+
+
+def label(sources: Sequence[str], upstream: str, local: str, n_ctx: int, threads: int, runs_dir: Path) -> None:
+    """Append, per local answer of each source not yet labelled, {"id", "row", "n", "mismatch"}:
+    where the upstream's greedy token differs from the local answer's token."""
+    from llama_cpp import Llama
+
+    from adapters.model_files import resolve_model
+    from eval.analysis import TeacherForcer
+
+    forcer = TeacherForcer.load(resolve_model(upstream, fetch=True), n_ctx, threads)
+    try:
+        vocabulary = Llama(model_path=str(resolve_model(local)), vocab_only=True, verbose=False)
+        _same_vocabulary(forcer.llm, vocabulary)
+        vocabulary.close()
+        for spec in sources:
+            dataset, run, rows = parse_source(spec)
+            run_dir = runs_dir / run
+            answers = {r["id"]: r for r in read_records(records_path(run_dir, dataset, "local"))}
+            out = analysis_path(run_dir, dataset, LABELS)
+            done = {r["id"] for r in read_records(out)}
+            items = [i for i in load_items(dataset, None, rows) if i.id in answers and i.id not in done]
+            for item in tqdm(items, desc=spec, unit="answer", mininterval=2.0):
+                forced = forcer.analyze(item, answers[item.id]["tokens"])
+                append_record(out, {key: forced[key] for key in ("id", "row", "n", "mismatch")})
+    finally:
+        forcer.close()
+
+
+def _same_vocabulary(upstream: Any, local: Any) -> None:
+    """The labels compare token ids, so both models must share one tokenizer."""
+    probe = "Natalia sold 48/2 = 24 clips in May.\ndef f(x):\n    return x ** 2  # ünïcödé"
+    if upstream.n_vocab() != local.n_vocab() or \
+            upstream.tokenize(probe.encode(), add_bos=False) != local.tokenize(probe.encode(), add_bos=False):
+        raise ValueError("the upstream and local models tokenize differently: their tokens cannot be compared")
+
+
+def live_records(specs: Sequence[str], runs_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """The local answers' analysis records (the router's inputs) with the upstream's labels, by task."""
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    for spec in specs:
+        dataset, run, _ = parse_source(spec)
+        records = load([spec], runs_dir, "local")[dataset]
+        labels = {r["id"]: r for r in read_records(analysis_path(runs_dir / run, dataset, LABELS))}
+        unlabelled = sum(r["id"] not in labels for r in records)
+        if unlabelled:
+            raise ValueError(f"{spec}: {unlabelled} local answers are not labelled; "
+                             f"run `python -m eval.reliability label --source {spec}` first")
+        for record in records:
+            if labels[record["id"]]["n"] != record["n"]:
+                raise ValueError(f"{spec}: answer {record['id']} was labelled along other tokens")
+            record["mismatch"] = labels[record["id"]]["mismatch"]
+        by_task.setdefault(dataset, []).extend(records)
+    return by_task
+
+
+def calibration(router: Router, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The router's probability against the labels along `records`: means, calibration error, AUROC."""
+    from eval.learn import matrix
+
+    x, labels, _ = matrix(records)
+    scores = np.array([router.score(row) for row in x])
+    labels = labels.astype(bool)
+    bins = reliability(scores, labels, bins=BINS)
+    top1 = (1.0 - x[:, FEATURES.index("top1")]).tolist()
+    return {"positions": len(scores), "label_share": float(labels.mean()), "mean_probability": float(scores.mean()),
+            "ece": sum(count * abs(mean - share) for _, _, count, mean, share in bins) / len(scores),
+            "auroc": auroc(scores.tolist(), labels.tolist()), "auroc_top1": auroc(top1, labels.tolist()),
+            "bins": [(mean, share) for _, _, _, mean, share in bins]}
+
+
+def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    lines = ["| task | answers read | positions | mismatch share | mean probability | calibration error "
+             "| AUROC (router / top-1) |", "|---|---|---|---|---|---|---|"]
+    for where, tasks in results.items():
+        for task, r in tasks.items():
+            lines.append(f"| {task} | {where} | {r['positions']:,} | {r['label_share']:.4f} | "
+                         f"{r['mean_probability']:.4f} | {r['ece']:.4f} | {r['auroc']:.3f} / {r['auroc_top1']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, dict[str, dict[str, Any]]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 5), squeeze=False)
+    for ax, (where, tasks) in zip(axes[0], results.items()):
+        ax.plot([0, 1], [0, 1], color="grey", linestyle=":", label="calibrated")
+        for task, r in tasks.items():
+            means, shares = zip(*r["bins"])
+            ax.plot(means, shares, marker="o", label=f"{task} (error {r['ece']:.3f})")
+        ax.set(title=where, xlabel="router probability (mean of a tenth of the positions)",
+               ylabel="share of positions where the upstream writes another token", xlim=(0, 1), ylim=(0, 1))
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "label":
+        label(args.source, args.upstream, args.local, args.n_ctx, args.threads, args.runs_dir)
+        return 0
+    router = Router.load(args.router)
+    read = {"upstream's answers, teacher-forced": load(args.held_out, args.runs_dir, "upstream"),
+            "the local model's own answers": live_records(args.live, args.runs_dir)}
+    results = {where: {task: calibration(router, records) for task, records in tasks.items()}
+               for where, tasks in read.items()}
+    print(table(results), end="")
+    if args.plot:
+        plot(results, args.plot, args.title or f"{args.router.name}: probability against the upstream's choice")
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m eval.reliability", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    labelling = commands.add_parser("label", help="label the local answers with the upstream's greedy tokens")
+    labelling.add_argument("--source", action="append", required=True, metavar="DATASET,RUN[,ROWS]")
+    labelling.add_argument("--upstream", default=UPSTREAM, help=f"the model that labels (default {UPSTREAM})")
+    labelling.add_argument("--local", default="qwen2.5-coder-0.5b-instruct", help="the model that wrote the answers")
+    labelling.add_argument("--n-ctx", type=int, default=2048)
+    labelling.add_argument("--threads", type=int, default=2)
+    report = commands.add_parser("report", help="the router's probability against the labels")
+    report.add_argument("--router", type=Path, required=True)
+    report.add_argument("--held-out", action="append", required=True, metavar="DATASET,RUN[,ROWS]",
+                        help="the upstream's answers, analysed (`python -m eval analyze`)")
+    report.add_argument("--live", action="append", required=True, metavar="DATASET,RUN[,ROWS]",
+                        help="the local answers, analysed (`analyze --answers local`) and labelled (`label`)")
+    report.add_argument("--plot", type=Path)
+    report.add_argument("--title")
+    for sub in (labelling, report):
+        sub.add_argument("--runs-dir", type=Path, default=RUNS_DIR)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())
