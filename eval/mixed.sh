@@ -97,3 +97,14 @@ for config in local upstream; do cp -n "results/runs/mixed_traffic_gsm8k/gsm8k__
 $EVAL run --dataset gsm8k --rows 100:200 --max-tokens 512 --run-name "$run" --warm --block 2 --threads 2 \
   --router routers/mixed-qwen2.5-coder-0.5b.json --configs learned@0.05,from=traffic
 $EVAL report --dataset gsm8k --run-name "$run" --rows 100:200 --paired
+
+# Is the router's probability a probability where it serves? The upstream teacher-forced on the
+# local model's held-out answers labels the positions the router reads live (resumable), then its
+# probability against those labels and against the teacher-forced upstream answers' (issue 23)
+LIVE=(--source csqa,reference,0:100 --source gsm8k,learned_gsm8k,100:123 --source ifeval,learned_ifeval_task,1:59:2
+      --source mbpp,mixed_mbpp,"$MBPP_HELD" --source humaneval,learned_humaneval,"$HUMANEVAL")
+.venv/bin/python -m eval.reliability label "${LIVE[@]}"
+.venv/bin/python -m eval.reliability report --router routers/mixed-qwen2.5-coder-0.5b.json \
+  --held-out csqa,router,0:100 --held-out gsm8k,router,0:100 --held-out ifeval,learned_ifeval_task,1:59:2 \
+  --held-out mbpp,mixed_mbpp,"$MBPP_HELD" --held-out humaneval,learned_humaneval,"$HUMANEVAL" \
+  "${LIVE[@]//--source/--live}" --plot docs/results_reliability_mixed.png

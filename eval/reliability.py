@@ -99,20 +99,26 @@ def calibration(router: Router, records: Sequence[dict[str, Any]]) -> dict[str, 
     scores = np.array([router.score(row) for row in x])
     labels = labels.astype(bool)
     bins = reliability(scores, labels, bins=BINS)
-    top1 = (1.0 - x[:, FEATURES.index("top1")]).tolist()
+    top1 = 1.0 - x[:, FEATURES.index("top1")]  # the price-aware policy's need without a router
     return {"positions": len(scores), "label_share": float(labels.mean()), "mean_probability": float(scores.mean()),
-            "ece": sum(count * abs(mean - share) for _, _, count, mean, share in bins) / len(scores),
-            "auroc": auroc(scores.tolist(), labels.tolist()), "auroc_top1": auroc(top1, labels.tolist()),
-            "bins": [(mean, share) for _, _, _, mean, share in bins]}
+            "ece": _calibration_error(bins, len(scores)), "auroc": auroc(scores.tolist(), labels.tolist()),
+            "ece_top1": _calibration_error(reliability(top1, labels, bins=BINS), len(scores)),
+            "auroc_top1": auroc(top1.tolist(), labels.tolist()), "bins": [(mean, share) for *_, mean, share in bins]}
+
+
+def _calibration_error(bins: Sequence[tuple[float, float, int, float, float]], positions: int) -> float:
+    """Expected calibration error: the gap between mean probability and share, weighted by bin."""
+    return sum(count * abs(mean - share) for _, _, count, mean, share in bins) / positions
 
 
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
-    lines = ["| task | answers read | positions | mismatch share | mean probability | calibration error "
-             "| AUROC (router / top-1) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| task | answers read | positions | mismatch share | router's mean probability "
+             "| calibration error (router / 1 - top-1) | AUROC (router / top-1) |", "|---|---|---|---|---|---|---|"]
     for where, tasks in results.items():
         for task, r in tasks.items():
             lines.append(f"| {task} | {where} | {r['positions']:,} | {r['label_share']:.4f} | "
-                         f"{r['mean_probability']:.4f} | {r['ece']:.4f} | {r['auroc']:.3f} / {r['auroc_top1']:.3f} |")
+                         f"{r['mean_probability']:.4f} | {r['ece']:.4f} / {r['ece_top1']:.4f} | "
+                         f"{r['auroc']:.3f} / {r['auroc_top1']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
