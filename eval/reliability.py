@@ -91,6 +91,12 @@ def live_records(specs: Sequence[str], runs_dir: Path) -> dict[str, list[dict[st
     return by_task
 
 
+def first_positions(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each analysis record cut to its answer's first position."""
+    per_step = ("mismatch", "entropy", "top1", "margin", "top", "kind")
+    return [{**record, "n": 1, **{key: record[key][:1] for key in per_step}} for record in records if record["n"]]
+
+
 def calibration(router: Router, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The router's probability against the labels along `records`: means, calibration error, AUROC."""
     from eval.learn import matrix
@@ -118,8 +124,12 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
         for task, r in tasks.items():
             lines.append(f"| {task} | {where} | {r['positions']:,} | {r['label_share']:.4f} | "
                          f"{r['mean_probability']:.4f} | {r['ece']:.4f} / {r['ece_top1']:.4f} | "
-                         f"{r['auroc']:.3f} / {r['auroc_top1']:.3f} |")
+                         f"{_shown(r['auroc'])} / {_shown(r['auroc_top1'])} |")
     return "\n".join(lines) + "\n"
+
+
+def _shown(value: float) -> str:
+    return "-" if np.isnan(value) else f"{value:.3f}"  # AUROC has no value where no position is labelled
 
 
 def plot(results: dict[str, dict[str, dict[str, Any]]], path: Path, title: str) -> None:
@@ -148,11 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         label(args.source, args.upstream, args.local, args.n_ctx, args.threads, args.runs_dir)
         return 0
     router = Router.load(args.router)
+    live = live_records(args.live, args.runs_dir)
     read = {"upstream's answers, teacher-forced": load(args.held_out, args.runs_dir, "upstream"),
-            "the local model's own answers": live_records(args.live, args.runs_dir)}
+            "the local model's own answers": live}
     results = {where: {task: calibration(router, records) for task, records in tasks.items()}
                for where, tasks in read.items()}
     print(table(results), end="")
+    first = {task: calibration(router, first_positions(records)) for task, records in live.items()}
+    print("\nEach local answer's first position alone (where a short answer is decided):\n")
+    print(table({"the local model's own answers, first position": first}), end="")
     if args.plot:
         plot(results, args.plot, args.title or f"{args.router.name}: probability against the upstream's choice")
         print(f"plot: {args.plot}")

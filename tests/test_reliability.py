@@ -8,7 +8,7 @@ import pytest
 from eval.analysis import TeacherForcer
 from eval.datasets import load_items
 from eval.records import analysis_path, append_record, records_path
-from eval.reliability import LABELS, calibration, label, live_records, table
+from eval.reliability import LABELS, calibration, first_positions, label, live_records, table
 from policies.learned import Router
 from tests.conftest import ROOT, SMOL
 
@@ -56,3 +56,12 @@ def test_labels_along_other_tokens_than_the_analysed_ones_are_refused(tmp_path):
     append_record(analysis_path(run, "csqa", LABELS), {"id": item.id, "row": item.row, "n": 3, "mismatch": "010"})
     with pytest.raises(ValueError, match="other tokens"):
         live_records(["csqa,run,0:1"], tmp_path)
+
+
+def test_first_positions_keep_each_answer_s_first_step_only():
+    record = {"id": "a", "row": 0, "n": 2, "mismatch": "10", "entropy": [1.0, 0.5], "top1": [0.5, 0.8],
+              "margin": [0.2, 0.6], "top": [[0.5, 0.3], [0.8, 0.1]], "kind": ["word", "punct"]}
+    empty = {**record, "n": 0, "mismatch": "", **{key: [] for key in ("entropy", "top1", "margin", "top", "kind")}}
+    assert first_positions([record, empty]) == [{"id": "a", "row": 0, "n": 1, "mismatch": "1", "entropy": [1.0],
+                                                 "top1": [0.5], "margin": [0.2], "top": [[0.5, 0.3]],
+                                                 "kind": ["word"]}]
