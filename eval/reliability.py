@@ -37,9 +37,11 @@ LABELS = "local_labels"  # analysis_path's name for the upstream's labels of the
 BINS = 10
 
 
-def label(sources: Sequence[str], upstream: str, local: str, n_ctx: int, threads: int, runs_dir: Path) -> None:
+def label(sources: Sequence[str], upstream: str, local: str, n_ctx: int, threads: int, runs_dir: Path,
+          data: Path | None = None) -> None:
     """Append, per local answer of each source not yet labelled, {"id", "row", "n", "mismatch"}:
-    where the upstream's greedy token differs from the local answer's token."""
+    where the upstream's greedy token differs from the local answer's token. `data`: the file the
+    sources' runs answered (default: the dataset's dev split)."""
     from llama_cpp import Llama
 
     from adapters.model_files import resolve_model
@@ -56,7 +58,10 @@ def label(sources: Sequence[str], upstream: str, local: str, n_ctx: int, threads
             answers = {r["id"]: r for r in read_records(records_path(run_dir, dataset, "local"))}
             out = analysis_path(run_dir, dataset, LABELS)
             done = {r["id"] for r in read_records(out)}
-            items = [i for i in load_items(dataset, None, rows) if i.id in answers and i.id not in done]
+            items = [i for i in load_items(dataset, data, rows) if i.id in answers]
+            if answers and not items:
+                raise ValueError(f"{spec}: none of the run's local answers is a question of {data or 'the dev split'}")
+            items = [i for i in items if i.id not in done]
             for item in tqdm(items, desc=spec, unit="answer", mininterval=2.0):
                 forced = forcer.analyze(item, answers[item.id]["tokens"])
                 append_record(out, {key: forced[key] for key in ("id", "row", "n", "mismatch")})
@@ -95,6 +100,14 @@ def first_positions(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each analysis record cut to its answer's first position."""
     per_step = ("mismatch", "entropy", "top1", "margin", "top", "kind")
     return [{**record, "n": 1, **{key: record[key][:1] for key in per_step}} for record in records if record["n"]]
+
+
+def on_policy_router(fit: dict[str, list[dict[str, Any]]], model_sha256: str) -> Router:
+    """A logistic router over the scalar features, fitted on labelled local answers of every task."""
+    from eval.learn import train
+
+    meta = {"labels": "mismatch on the local model's own answers", "fitted_on": {t: len(r) for t, r in fit.items()}}
+    return train([r for records in fit.values() for r in records], [], model_sha256, meta)
 
 
 def calibration(router: Router, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -155,7 +168,7 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], path: Path, title: str) 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "label":
-        label(args.source, args.upstream, args.local, args.n_ctx, args.threads, args.runs_dir)
+        label(args.source, args.upstream, args.local, args.n_ctx, args.threads, args.runs_dir, args.data)
         return 0
     router = Router.load(args.router)
     live = live_records(args.live, args.runs_dir)
@@ -167,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     first = {task: calibration(router, first_positions(records)) for task, records in live.items()}
     print("\nEach local answer's first position alone (where a short answer is decided):\n")
     print(table({"the local model's own answers, first position": first}), end="")
+    if args.fit_live:
+        fitted = on_policy_router(live_records(args.fit_live, args.runs_dir), router.model_sha256)
+        print("\nThe same features fitted on the labelled local answers of --fit-live (on-policy):\n")
+        print(table({where: {task: calibration(fitted, records) for task, records in tasks.items()}
+                     for where, tasks in read.items()}), end="")
     if args.plot:
         plot(results, args.plot, args.title or f"{args.router.name}: probability against the upstream's choice")
         print(f"plot: {args.plot}")
@@ -180,6 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     labelling.add_argument("--source", action="append", required=True, metavar="DATASET,RUN[,ROWS]")
     labelling.add_argument("--upstream", default=UPSTREAM, help=f"the model that labels (default {UPSTREAM})")
     labelling.add_argument("--local", default="qwen2.5-coder-0.5b-instruct", help="the model that wrote the answers")
+    labelling.add_argument("--data", type=Path, help="the file the runs answered (default: each dataset's dev split)")
     labelling.add_argument("--n-ctx", type=int, default=2048)
     labelling.add_argument("--threads", type=int, default=2)
     report = commands.add_parser("report", help="the router's probability against the labels")
@@ -188,6 +207,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="the upstream's answers, analysed (`python -m eval analyze`)")
     report.add_argument("--live", action="append", required=True, metavar="DATASET,RUN[,ROWS]",
                         help="the local answers, analysed (`analyze --answers local`) and labelled (`label`)")
+    report.add_argument("--fit-live", action="append", default=[], metavar="DATASET,RUN[,ROWS]",
+                        help="also fit the router's features on these labelled local answers and report that router")
     report.add_argument("--plot", type=Path)
     report.add_argument("--title")
     for sub in (labelling, report):

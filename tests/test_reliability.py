@@ -8,7 +8,7 @@ import pytest
 from eval.analysis import TeacherForcer
 from eval.datasets import load_items
 from eval.records import analysis_path, append_record, records_path
-from eval.reliability import LABELS, calibration, first_positions, label, live_records, table
+from eval.reliability import LABELS, calibration, first_positions, label, live_records, main, table
 from policies.learned import Router
 from tests.conftest import ROOT, SMOL
 
@@ -21,7 +21,7 @@ def greedy(forcer: TeacherForcer, item, length: int) -> list[int]:
 
 
 @pytest.mark.integration
-def test_labels_mark_where_the_labelling_model_would_write_another_token(smol_path, tmp_path):
+def test_labels_mark_where_the_labelling_model_would_write_another_token(smol_path, tmp_path, capsys):
     items = load_items("csqa", rows="0:2")
     forcer = TeacherForcer.load(smol_path, n_ctx=1024, threads=1)
     try:
@@ -30,7 +30,9 @@ def test_labels_mark_where_the_labelling_model_would_write_another_token(smol_pa
         for item, tokens in zip(items, answers):
             append_record(records_path(tmp_path / "run", "csqa", "local"), {"id": item.id, "row": item.row,
                                                                              "tokens": tokens})
-            append_record(analysis_path(tmp_path / "run", "csqa", "local"), forcer.analyze(item, tokens))
+            analysed = forcer.analyze(item, tokens)
+            append_record(analysis_path(tmp_path / "run", "csqa", "local"), analysed)
+            append_record(analysis_path(tmp_path / "run", "csqa"), analysed)  # as if the upstream had written it
     finally:
         forcer.close()
 
@@ -44,6 +46,13 @@ def test_labels_mark_where_the_labelling_model_would_write_another_token(smol_pa
     assert result["positions"] == 10 and result["label_share"] == pytest.approx(
         sum(r["mismatch"].count("1") for r in records) / 10)
     assert 0.0 <= result["ece"] <= 1.0 and "| csqa | live | 10 |" in table({"live": {"csqa": result}})
+
+    source = "csqa,run,0:2"
+    assert main(["report", "--router", str(ROOT / "routers" / "mixed-qwen2.5-coder-0.5b.json"), "--held-out", source,
+                 "--live", source, "--fit-live", source, "--runs-dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("| csqa | the local model's own answers | 10 |") == 2  # the router and the one fitted here
+    assert "| csqa | the local model's own answers, first position | 2 |" in printed
 
 
 def test_labels_along_other_tokens_than_the_analysed_ones_are_refused(tmp_path):
