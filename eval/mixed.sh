@@ -101,7 +101,7 @@ $EVAL report --dataset gsm8k --run-name "$run" --rows 100:200 --paired
 # Is the router's probability a probability where it serves? The upstream teacher-forced on the
 # local model's held-out answers labels the positions the router reads live (resumable), then its
 # probability against those labels and against the teacher-forced upstream answers' (issue 23)
-LIVE=(--source csqa,reference,0:100 --source gsm8k,learned_gsm8k,100:123 --source ifeval,learned_ifeval_task,1:59:2
+LIVE=(--source csqa,reference,0:100 --source gsm8k,learned_gsm8k,100:199 --source ifeval,learned_ifeval_task,1:59:2
       --source mbpp,mixed_mbpp,"$MBPP_HELD" --source humaneval,learned_humaneval,"$HUMANEVAL")
 .venv/bin/python -m eval.reliability label "${LIVE[@]}"
 .venv/bin/python -m eval.reliability report --router routers/mixed-qwen2.5-coder-0.5b.json \
