@@ -103,8 +103,12 @@ $EVAL report --dataset gsm8k --run-name "$run" --rows 100:200 --paired
 # probability against those labels and against the teacher-forced upstream answers' (issue 23)
 LIVE=(--source csqa,reference,0:100 --source gsm8k,learned_gsm8k,100:199 --source ifeval,learned_ifeval_task,1:59:2
       --source mbpp,mixed_mbpp,"$MBPP_HELD" --source humaneval,learned_humaneval,"$HUMANEVAL")
-.venv/bin/python -m eval.reliability label "${LIVE[@]}"
+# the on-policy fit rows too, for the same features fitted on the text the router reads (--fit-live)
+FIT=(--source csqa,reference,100:200 --source ifeval,learned_ifeval,100:150 --source mbpp,mixed_mbpp,"$MBPP_FIT")
+.venv/bin/python -m eval.reliability label "${LIVE[@]}" "${FIT[@]}"
+.venv/bin/python -m eval.reliability label --data data/gsm8k_train7473.jsonl --source gsm8k,gsm8k_train_local,0:140
 .venv/bin/python -m eval.reliability report --router routers/mixed-qwen2.5-coder-0.5b.json \
   --held-out csqa,router,0:100 --held-out gsm8k,router,0:100 --held-out ifeval,learned_ifeval_task,1:59:2 \
   --held-out mbpp,mixed_mbpp,"$MBPP_HELD" --held-out humaneval,learned_humaneval,"$HUMANEVAL" \
-  "${LIVE[@]//--source/--live}" --plot docs/results_reliability_mixed.png
+  "${LIVE[@]//--source/--live}" "${FIT[@]//--source/--fit-live}" --fit-live gsm8k,gsm8k_train_local,0:140 \
+  --plot docs/results_reliability_mixed.png
