@@ -12,7 +12,8 @@ another than the local one: the mismatch label of the positions a router reads l
 `analyze --answers local` cannot give (it compares the local model with itself). `report` reads
 those labels with the local answers' own analysis records (the router's inputs) and prints, per
 task, the router's mean probability against the labelled share, its expected calibration error
-over ten bins of equal counts, and its AUROC beside top-1's.
+over ten bins of equal counts, and its AUROC beside top-1's; then the same for each local answer's
+first position alone, and (`--fit-live`) for the router's features fitted on labelled local answers.
 """
 
 from __future__ import annotations
