@@ -43,6 +43,12 @@ def matrix(records: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray, n
     return np.array(rows).reshape(-1, len(FEATURES)), np.array(labels, dtype=float), np.array(answers)
 
 
+def scored(router: Router, records: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The router's score, the mismatch label (bool) and the features of every position of `records`."""
+    x, labels, _ = matrix(records)
+    return np.array([router.score(row) for row in x]), labels.astype(bool), x
+
+
 def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1.0, iterations: int = 30
                  ) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
     """(weights, bias, mean, scale) of an L2-regularised logistic regression on standardised x."""
@@ -139,8 +145,7 @@ def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
 def reliability_table(router: Router, records: Sequence[dict[str, Any]], label: str) -> str:
     """Markdown: the router's probability against the share of `label` positions, in ten bins of
     equal counts of `records`' positions (the top bins matter: few positions are routed)."""
-    x, labels, _ = matrix(records)
-    scores = np.array([router.score(row) for row in x])
+    scores, labels, _ = scored(router, records)
     lines = [f"| router probability | positions | mean probability | {label} share |", "|---|---|---|---|"]
     lines += [f"| {low:.4f}-{high:.4f} | {count} | {mean:.4f} | {share:.4f} |"
               for low, high, count, mean, share in reliability(scores, labels, bins=10)]

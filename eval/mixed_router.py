@@ -34,7 +34,7 @@ import numpy as np
 from adapters.model_files import model_sha256
 from eval.analysis import auroc, steps
 from eval.datasets import parse_rows
-from eval.learn import matrix, step_signal, train, with_thresholds
+from eval.learn import matrix, scored, step_signal, train, with_thresholds
 from eval.records import analysis_path, in_rows, parse_source, read_records, write_json
 from policies import RoutingState, SharedWindows, build_policy
 from policies.learned import FEATURES, Router
@@ -60,11 +60,6 @@ def load(specs: Sequence[str], runs_dir: Path, answers: str) -> dict[str, list[d
     return by_task
 
 
-def _scores(router: Router, records: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    x, labels, _ = matrix(records)
-    return np.array([router.score(row) for row in x]), labels.astype(bool), x
-
-
 def _shares(scores: np.ndarray, router: Router) -> dict[str, float]:
     return {f"{share:g}": float((scores > threshold).mean()) for share, threshold in sorted(router.shares.items())}
 
@@ -74,10 +69,10 @@ def held_out_report(mixed: Router, own: dict[str, Router], held: dict[str, list[
     and the share the mixed router routes there at its thresholds (fitted on the mixed fit rows)."""
     report = {}
     for task, records in held.items():
-        scores, labels, x = _scores(mixed, records)
+        scores, labels, x = scored(mixed, records)
         found = {"mixed": auroc(scores, labels), "1-top1": auroc(-x[:, FEATURES.index("top1")], labels)}
         if task in own:
-            found["own task"] = auroc(_scores(own[task], records)[0], labels)
+            found["own task"] = auroc(scored(own[task], records)[0], labels)
         report[task] = {"answers": len(records), "positions": int(len(labels)), "mismatch_share": float(labels.mean()),
                         "auroc": found, "share at the mixed fit thresholds": _shares(scores, mixed)}
     return report
@@ -92,7 +87,7 @@ def live_report(on_policy: Router, live_fit: dict[str, list[dict[str, Any]]], li
     report = {}
     mixed = {share: traffic_shares(on_policy, live, share) for share in shares}
     for task, records in live.items():
-        scores = _scores(on_policy, records)[0]
+        scores = scored(on_policy, records)[0]
         found = {"answers": len(records), "positions": int(len(scores)), "share (one threshold)": _shares(scores, on_policy)}
         if task in live_fit:
             own = with_thresholds(on_policy, matrix(live_fit[task])[0], shares)

@@ -19,6 +19,7 @@ first position alone, and (`--fit-live`) for the router's features fitted on lab
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,9 +51,8 @@ def label(sources: Sequence[str], upstream: str, local: str, n_ctx: int, threads
 
     forcer = TeacherForcer.load(resolve_model(upstream, fetch=True), n_ctx, threads)
     try:
-        vocabulary = Llama(model_path=str(resolve_model(local)), vocab_only=True, verbose=False)
-        _same_vocabulary(forcer.llm, vocabulary)
-        vocabulary.close()
+        with contextlib.closing(Llama(model_path=str(resolve_model(local)), vocab_only=True, verbose=False)) as vocab:
+            _same_vocabulary(forcer.llm, vocab)
         for spec in sources:
             dataset, run, rows = parse_source(spec)
             run_dir = runs_dir / run
@@ -113,11 +113,9 @@ def on_policy_router(fit: dict[str, list[dict[str, Any]]], model_sha256: str) ->
 
 def calibration(router: Router, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The router's probability against the labels along `records`: means, calibration error, AUROC."""
-    from eval.learn import matrix
+    from eval.learn import scored
 
-    x, labels, _ = matrix(records)
-    scores = np.array([router.score(row) for row in x])
-    labels = labels.astype(bool)
+    scores, labels, x = scored(router, records)
     bins = reliability(scores, labels, bins=BINS)
     top1 = 1.0 - x[:, FEATURES.index("top1")]  # the price-aware policy's need without a router
     return {"positions": len(scores), "label_share": float(labels.mean()), "mean_probability": float(scores.mean()),
