@@ -52,7 +52,7 @@ class LocalModel:
 
     @classmethod
     async def load(cls, path: Path, n_ctx: int, n_threads: int, n_batch: int, queue_limit: int,
-                   parallel: int = 1, look_ahead: bool = True, flash_attn: bool = False) -> "LocalModel":
+                   parallel: int = 1, look_ahead: bool = True, flash_attn: bool = True) -> "LocalModel":
         """Load `path` (off the event loop) with an engine of `parallel` sequences of `n_ctx`
         tokens each, evaluating greedy sequences' next tokens ahead if `look_ahead`, with llama.cpp's
         flash attention if `flash_attn`. Raises LocalModelError with one line."""

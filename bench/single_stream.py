@@ -20,10 +20,10 @@ to the tool.
              greedy token
   decoder    the whole collaborative decoder with policy `never` (signals, policy, detokenising),
              without guesses
-  look-ahead the same decoder with the engine's look-ahead, as served but with flash attention on
-             (`flash_attn: true`): the engine evaluates each greedy token before the decoder asks for
-             it, so the hand-over and the decoder's work overlap the next step
-  served, fa off  the same with the engine's flash attention off, as served by default
+  look-ahead the same decoder with the engine's look-ahead, as served: the engine evaluates each
+             greedy token before the decoder asks for it, so the hand-over and the decoder's work
+             overlap the next step
+  served, fa off  the same with the engine's flash attention off (`flash_attn: false`)
 """
 
 from __future__ import annotations

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from eval.datasets import DEFAULT_FILES, MAX_TOKENS, load_items, parse_rows
-from eval.records import analysis_path, parse_source
-from gateway.settings import LocalModelSettings
+from eval.records import RECORDED_FLASH_ATTN, analysis_path, parse_source
 
 if TYPE_CHECKING:  # numpy and the routers load only for the commands that use them
     import numpy as np
@@ -195,9 +194,9 @@ def _where(parser: argparse.ArgumentParser) -> None:
 def _engine(parser: argparse.ArgumentParser) -> None:
     """Options of the local model's engine, for the commands that decode with it."""
     parser.add_argument("--flash-attn", action=argparse.BooleanOptionalAction,
-                        default=LocalModelSettings.model_fields["flash_attn"].default,
-                        help="llama.cpp's flash attention in the local engine (off, as the gateway serves; the "
-                             "run price_mixed_gsm8k_draft decoded with it on)")
+                        default=RECORDED_FLASH_ATTN,
+                        help="llama.cpp's flash attention in the local engine (off, as the recorded runs but "
+                             "price_mixed_gsm8k_draft decoded; the gateway serves with it on)")
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

@@ -18,8 +18,9 @@ from adapters.model_files import model_sha256, resolve_model
 from adapters.upstream import Upstream
 from adapters.upstream_server import UpstreamServer, forgetful_args
 from eval.costs import PriceSheet
+from eval.records import RECORDED_FLASH_ATTN
 from gateway.runtime import make_upstream
-from gateway.settings import LaunchSettings, LocalModelSettings, UpstreamSettings
+from gateway.settings import LaunchSettings, UpstreamSettings
 from policies import Router
 from policies.answer_check import AnswerCheck
 
@@ -79,7 +80,7 @@ class ModelOptions:
     router: str | None = None  # a learned router file, checked against the local model
     check: str | None = None  # an answer check file, checked against the local model
     sheet: PriceSheet | None = None  # token prices that replace the assumed ones (what decisions are priced at)
-    flash_attn: bool = LocalModelSettings.model_fields["flash_attn"].default  # in the local engine, as served
+    flash_attn: bool = RECORDED_FLASH_ATTN  # in the local engine
 
     @property
     def upstream_mode(self) -> str:
