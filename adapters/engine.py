@@ -129,6 +129,7 @@ class Engine:
         self._closing = False
         self._freed_since_trim = False
         self.steps = 0  # llama_decode calls
+        self.step_s: float | None = None  # recent seconds of one decode step (a batch of one token per sequence)
         self.evaluated = 0  # tokens those calls evaluated
         self.speculation = True  # False: sequences opened with `speculate` do not look ahead
         self.guesses_taken = 0  # forwards a speculative job answered
@@ -365,11 +366,16 @@ class Engine:
             llama_cpp.llama_set_embeddings(self._ctx, embeddings)
             self._embeddings = embeddings
         placed = self._fill_batch(jobs, hold)
+        started = time.perf_counter()
         status = llama_cpp.llama_decode(self._ctx, self._batch)
         if status == 1 and self._trim_idle(0):  # the KV cache is full: drop finished requests' tokens
             self._undo(placed)
             placed = self._fill_batch(jobs, hold)
+            started = time.perf_counter()
             status = llama_cpp.llama_decode(self._ctx, self._batch)
+        if status == 0 and self._batch.n_tokens == len(placed):  # decode steps only: prefill takes longer
+            elapsed = time.perf_counter() - started
+            self.step_s = elapsed if self.step_s is None else 0.8 * self.step_s + 0.2 * elapsed
         self.steps += 1
         self.evaluated += self._batch.n_tokens
         if status != 0:

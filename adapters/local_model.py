@@ -75,6 +75,11 @@ class LocalModel:
         self._llm.close()
 
     @property
+    def step_s(self) -> float | None:
+        """Recent seconds of one decode step; None before the first."""
+        return self.engine.step_s
+
+    @property
     def queue_depth(self) -> int:
         return self.engine.queue_depth
 

@@ -44,6 +44,7 @@ class FakeLocalModel:
         self.forwards: list[list[int]] = []
         self.pauses = 0  # times the sequence left the batch to wait for an upstream
         self.wants_hidden = False
+        self.step_s: float | None = None  # what the decoder reads as one decode step's seconds (None: unknown)
 
     def tokenize_prompt(self, parts: list[tuple[str, bool]]) -> list[int]:
         text = "".join(part for part, _ in parts)

@@ -564,6 +564,22 @@ async def test_a_guessed_step_the_policy_routes_is_decided_once():
     assert 2 in decided and decoding.usage.guess_kept_tokens >= 1  # " is" kept, " nice" routed from its guess
 
 
+async def test_no_guess_is_started_that_would_end_after_the_reply_is_due():
+    async def guessed(step_s: float | None) -> Decoding:
+        local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({0, 2}), lean=1.0)
+        local.step_s = step_s
+        upstream = FakeUpstream("Paris is nice.", chars_per_token=5, delay_s=0.05)
+        decoding, _ = make(local, upstream, policy="entropy", threshold=1.0)
+        assert "".join(p.text for p in await run(decoding)) == "Paris is nice."
+        assert len(upstream.calls) == 2  # "Paris", then " nice" (guessed, routed)
+        return decoding
+
+    # both keep " is", guessed during the first hand-off (its reply time unknown); during the
+    # second, known to answer in 0.05 s, a step said to take a second is not begun, so "." is not guessed
+    assert (await guessed(None)).usage.guess_kept_tokens == 2
+    assert (await guessed(1.0)).usage.guess_kept_tokens == 1
+
+
 async def test_sampled_requests_do_not_guess():
     local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({0}), lean=1.0)
     upstream = FakeUpstream("Paris is nice.", chars_per_token=5, delay_s=0.2)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -213,6 +214,7 @@ class Decoding:
         self._reads_prices = request.policy.reads_prices and request.ceiling is not None
         self._hidden: np.ndarray | None = None  # the latest forward's hidden state
         self._routed_guess: Guess | None = None  # a guessed step the policy routed: the next step, decided already
+        self._reply_s: float | None = None  # how long this request's last upstream call took to answer
         self._grammar: Grammar | None = local.grammar(request.grammar) if request.grammar else None
 
     @staticmethod
@@ -494,9 +496,12 @@ class Decoding:
         self.usage.escalated = self.usage.escalated or escalating
         billed_before = self.usage.upstream_cost_usd
         call = asyncio.ensure_future(self._continuation(self._handoff, span))
+        sent = time.monotonic()
         try:
-            guesses = await self._guess(sequence, logits, signal, call)
+            guesses = await self._guess(sequence, logits, signal, call, sent)
             got = await call
+            if got is not None and got.source == UPSTREAM:
+                self._reply_s = time.monotonic() - sent
         except BaseException:
             call.cancel()
             raise
@@ -577,18 +582,30 @@ class Decoding:
         finished = finished and whole and self._grammar.allows(self.answer_tokens + tokens, self.local.end_token)
         return Written(kept_text, finished, source, billed_tokens if whole else None)
 
-    async def _guess(self, sequence: Sequence, logits: np.ndarray, signal: Signal, call: asyncio.Future) -> list[Guess]:
-        """Greedy local tokens from this step on, decoded until the hand-off `call` is done."""
+    async def _guess(self, sequence: Sequence, logits: np.ndarray, signal: Signal, call: asyncio.Future,
+                     sent: float) -> list[Guess]:
+        """Greedy local tokens from this step on, decoded until the hand-off `call` (sent at `sent`)
+        is done, or is due before one more step could end: a step cannot be stopped, and the answer
+        would wait for it."""
         guessing = self.request.sampling.greedy and self.request.guess_ahead > 0 and self._grammar is None
         guesses = [Guess(int(np.argmax(logits)), logits, signal)] if guessing else []
         while guesses and not call.done() and len(guesses) <= self.request.guess_ahead:
             if self.local.is_end_of_generation(guesses[-1].token) or len(self.answer_tokens) + len(guesses) >= self.limit:
+                break
+            if self._reply_due_within(self.local.step_s, sent):
                 break
             ahead = await self._forward(sequence, self.answer_tokens + [g.token for g in guesses])
             position = len(self.answer_tokens) + len(guesses)
             guesses.append(Guess(int(np.argmax(ahead)), ahead, self._signal(ahead, position)))
         sequence.pause()  # until the hand-off returns: the engine must not wait for this request
         return guesses
+
+    def _reply_due_within(self, step_s: float | None, sent: float) -> bool:
+        """Would a call sent at `sent` answer before a step of `step_s` started now ends, going by
+        this request's last call? (Unknown before the first: no.)"""
+        if step_s is None or self._reply_s is None:
+            return False
+        return time.monotonic() + step_s > sent + self._reply_s
 
     def _keep_guesses(self, before: list[int], guesses: list[Guess]) -> list[Piece]:
         """The guessed steps after what the hand-off wrote, if it wrote what the guess began with."""
