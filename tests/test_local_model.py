@@ -123,6 +123,15 @@ async def test_speculating_sequences_take_their_guesses_and_match_each_decoded_a
     assert local.engine.steps - steps_before < 3 * 16  # and the guesses were decoded together
 
 
+async def test_the_engine_times_its_decode_steps_not_its_prefills(local):
+    tokens = prompt(local, SYSTEM_A, "Count to ten.")
+    async with local.sequence(tokens) as sequence:
+        logits = await sequence.forward(tokens)
+        assert local.step_s is None  # the prompt's prefill is no decode step
+        await sequence.forward(tokens + [int(np.argmax(logits))])
+    assert 0 < local.step_s < 5
+
+
 async def test_a_model_loaded_without_look_ahead_never_guesses(smol_path, solo):
     local = await load(smol_path, look_ahead=False)
     try:
