@@ -53,6 +53,10 @@ SYSTEM = "You are a storyteller. Write vivid, flowing prose without lists or hea
 SUBJECTS = ("a lighthouse keeper", "a lost robot", "a desert caravan", "a mountain village", "a clockmaker",
             "a deep-sea diver", "a traveling circus", "an old library")
 KEY = "sk-bench"
+# A side's engine may still be decoding a look-ahead guess when its answers are in. Two llama.cpp
+# thread teams on two cores then stall each other's barriers for seconds (measured: single 4-token
+# steps of 1-5 s), so each side gets this long to go idle before the next begins.
+SETTLE_S = 0.5
 
 
 def config(model: str, threads: int, parallel: int, port: int) -> dict:
@@ -186,7 +190,9 @@ def measure(args: argparse.Namespace, counts: list[int]) -> tuple[dict, dict, di
                 bound.append(prefill[4].t_pp / prefill[1].t_pp)
                 for n in rounds:  # a new round tag: no round's questions are cached
                     engine[n].append(loop.run_until_complete(engine_round(local, n, args.tokens, n + 10 * repeat)))
+                    time.sleep(SETTLE_S)
                     gateway[n].append(loop.run_until_complete(http_round(base, n, args.tokens, n + 10 * repeat)))
+                    time.sleep(SETTLE_S)
     finally:
         local.close()
         loop.close()
