@@ -495,13 +495,11 @@ class Decoding:
             span = max(1, rest if self._grammar is None else min(rest, GRAMMAR_SPAN))
         self.usage.escalated = self.usage.escalated or escalating
         billed_before = self.usage.upstream_cost_usd
-        call = asyncio.ensure_future(self._continuation(self._handoff, span))
         sent = time.monotonic()
+        call = asyncio.ensure_future(self._timed_continuation(self._handoff, span, sent))
         try:
             guesses = await self._guess(sequence, logits, signal, call, sent)
             got = await call
-            if got is not None and got.source == UPSTREAM:
-                self._reply_s = time.monotonic() - sent
         except BaseException:
             call.cancel()
             raise
@@ -631,6 +629,13 @@ class Decoding:
     def _span_until(self) -> str:
         """Where a hand-off's text is cut: the request's boundary, none once escalated (the rest is written whole)."""
         return "tokens" if self.usage.escalated else self.request.span_until
+
+    async def _timed_continuation(self, handoff: Handoff, span: int, sent: float) -> Written | None:
+        """`_continuation`, noting how long the upstream took to answer (the guesses' deadline)."""
+        got = await self._continuation(handoff, span)
+        if got is not None and got.source == UPSTREAM:
+            self._reply_s = time.monotonic() - sent
+        return got
 
     async def _continuation(self, handoff: Handoff, span: int) -> Written | None:
         """What the cache or the upstream wrote, cut at the request's span boundary; None to decode locally."""
