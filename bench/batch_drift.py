@@ -3,7 +3,8 @@
 Run: .venv/bin/python -m bench.batch_drift [--model smollm2-135m-instruct] [--steps 24]
 
 For each setting, eight prompts are decoded greedily one at a time in an engine of one sequence
-(the reference) and four at a time in an engine of four, as served. Per step, up to the first
+(the reference) and four at a time in an engine of four, as served, loaded as the engine tests load
+them (one thread, 1,024 tokens a sequence). Per step, up to the first
 token where the two part, it prints the distribution of the mean |logit difference|, and for each
 prompt that left the reference's greedy text, the reference's gap between its top token and the
 one the batched sequence took (a near-tie when small). A fault (a wrong position, attention across
@@ -17,24 +18,13 @@ import asyncio
 
 import numpy as np
 
-from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
+from tests.test_local_model import greedy, load, prompt
 
 SYSTEMS = ["You are a terse assistant who answers in French. " * 6, "You are a pirate. Speak like one, arr. " * 6,
            "Be brief.", "You are a helpful assistant."]
 QUESTIONS = ["Bonjour?", "Ahoy?", "Name a colour.", "Count to ten.", "Tell me a tale.", "What is rain?",
              "Write a haiku about the sea.", "Explain gravity briefly."]
-
-
-async def greedy(local: LocalModel, tokens: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    """`steps` greedy tokens after `tokens` on a sequence of its own, and each step's logits."""
-    out, seen = [], []
-    async with local.sequence(tokens) as sequence:
-        for _ in range(steps):
-            logits = await sequence.forward(tokens + out)
-            seen.append(logits)
-            out.append(int(np.argmax(logits)))
-    return out, seen
 
 
 def compare(batched: tuple[list[int], list], alone: tuple[list[int], list]) -> tuple[list[float], float | None]:
@@ -48,12 +38,9 @@ def compare(batched: tuple[list[int], list], alone: tuple[list[int], list]) -> t
 
 
 async def drift(path, flash_attn: bool, steps: int) -> None:
-    load = dict(n_ctx=1024, n_threads=1, n_batch=256, queue_limit=4, flash_attn=flash_attn)
-    solo, batched = await LocalModel.load(path, parallel=1, **load), await LocalModel.load(path, parallel=4, **load)
+    solo, batched = await load(path, parallel=1, flash_attn=flash_attn), await load(path, flash_attn=flash_attn)
     try:
-        prompts = [solo.tokenize_prompt(solo.template.render_parts(
-            [{"role": "system", "content": SYSTEMS[i % 4]}, {"role": "user", "content": q}]))
-            for i, q in enumerate(QUESTIONS)]
+        prompts = [prompt(solo, SYSTEMS[i % 4], question) for i, question in enumerate(QUESTIONS)]
         alone = [await greedy(solo, tokens, steps) for tokens in prompts]
         together = []
         for start in range(0, len(prompts), 4):

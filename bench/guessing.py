@@ -40,6 +40,11 @@ PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicy
            "Describe a walk through a forest in autumn.", "Tell me about the history of bread."]
 
 
+def asked(handoff: Handoff, max_tokens: int) -> tuple:
+    """What a hand-off asks the upstream, as a key of the answers recorded live."""
+    return handoff.text, tuple(handoff.ids), max_tokens
+
+
 @dataclass
 class Delayed:
     """An upstream whose every call takes `rtt_s` longer, as a remote provider's would; it keeps
@@ -55,7 +60,7 @@ class Delayed:
     async def continue_text(self, handoff: Handoff, max_tokens: int, *args: Any, **kwargs: Any) -> Any:
         await asyncio.sleep(self.rtt_s)
         answer = await self.inner.continue_text(handoff, max_tokens, *args, **kwargs)
-        self.answers[(handoff.text, tuple(handoff.ids), max_tokens)] = answer
+        self.answers[asked(handoff, max_tokens)] = answer
         return answer
 
 
@@ -70,7 +75,7 @@ class Replayed:
         return getattr(self.live, name)
 
     async def continue_text(self, handoff: Handoff, max_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        answer = self.live.answers.get((handoff.text, tuple(handoff.ids), max_tokens))
+        answer = self.live.answers.get(asked(handoff, max_tokens))
         if answer is None:
             self.misses += 1
             return await self.live.continue_text(handoff, max_tokens, *args, **kwargs)
