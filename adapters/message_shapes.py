@@ -68,6 +68,6 @@ def _with_json_arguments(call: dict[str, Any]) -> dict[str, Any]:
     arguments = function.get("arguments") or "{}"
     try:
         json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # "[" * 100_000 recurses past Python's parser
         arguments = json.dumps(arguments)
     return {**call, "function": {**function, "arguments": arguments}}

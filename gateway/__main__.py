@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from typing import TYPE_CHECKING
 
 from adapters.local_model import LocalModelError
 from adapters.model_files import CATALOG, ModelFileError, resolve_model
 from adapters.upstream_server import UpstreamServerError
 from gateway.observability import configure_logging
-from gateway.settings import SettingsError, load_settings
+from gateway.settings import ServerSettings, Settings, SettingsError, load_settings
 from policies.learned import RouterError
+
+if TYPE_CHECKING:
+    import uvicorn
 
 STARTUP_ERRORS = (SettingsError, ModelFileError, LocalModelError, UpstreamServerError, RouterError)
 
@@ -69,7 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
     return asyncio.run(_serve_async(settings, args.log_level))
 
 
-async def _serve_async(settings, log_level: str) -> int:
+async def _serve_async(settings: Settings, log_level: str) -> int:
     import uvicorn
 
     from gateway.api.app import create_app
@@ -81,16 +85,75 @@ async def _serve_async(settings, log_level: str) -> int:
         return runtime
 
     app = create_app(settings, start_runtime=reuse)
-    config = uvicorn.Config(
-        app, host=settings.server.host, port=settings.server.port, log_level=log_level,
-        timeout_graceful_shutdown=int(settings.server.drain_seconds), access_log=False,
-        log_config=None,  # uvicorn's lines go through our handler: JSON, with request ids
-    )
     try:
-        await uvicorn.Server(config).serve()
+        await uvicorn.Server(uvicorn_config(app, settings.server, log_level)).serve()
     finally:
         await runtime.close()  # idempotent: the app's lifespan normally closed it already
     return 0
+
+
+def uvicorn_config(app, server: ServerSettings, log_level: str) -> uvicorn.Config:
+    """uvicorn's settings for serving `app` as `server` says, its HTTP protocol bounded by
+    `server.header_timeout_s` (see HeaderDeadline)."""
+    import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    protocol = type("GatewayHTTPProtocol", (HeaderDeadline, AutoHTTPProtocol),
+                    {"header_timeout_s": server.header_timeout_s})
+    return uvicorn.Config(
+        app, host=server.host, port=server.port, log_level=log_level, http=protocol,
+        timeout_graceful_shutdown=int(server.drain_seconds), access_log=False,
+        log_config=None,  # uvicorn's lines go through our handler: JSON, with request ids
+    )
+
+
+class HeaderDeadline:
+    """Mixed into uvicorn's HTTP protocol (h11's or httptools'): closes a connection whose next
+    request line and headers have not all arrived `header_timeout_s` after it opened or after its
+    previous answer ended. uvicorn has no such limit (its keep-alive time-out ends at the first
+    byte), so a client could hold a connection (a file descriptor and its buffers) for ever by
+    sending nothing, or a header a byte at a time, or a body nobody reads."""
+
+    header_timeout_s: float
+    _deadline: asyncio.TimerHandle | None = None
+    _previous_cycle = None  # uvicorn's request cycle when the deadline was set: a new one means headers arrived
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._await_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._stop_if_headers_arrived()
+
+    def on_response_complete(self) -> None:
+        self._await_headers()  # first: uvicorn reads a pipelined request's headers within the call
+        super().on_response_complete()
+        self._stop_if_headers_arrived()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop()
+        super().connection_lost(exc)
+
+    def _await_headers(self) -> None:
+        self._stop()
+        self._previous_cycle = self.cycle
+        self._deadline = self.loop.call_later(self.header_timeout_s, self._expire)
+
+    def _stop_if_headers_arrived(self) -> None:
+        if self.cycle is not self._previous_cycle:
+            self._stop()
+
+    def _stop(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            self.logger.debug("closing a connection whose request headers took over %g s", self.header_timeout_s)
+            self.transport.close()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,11 @@ class ServerSettings(Strict):
     port: int = Field(8000, ge=1, le=65535, description="TCP port of the HTTP server.")
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted request body.")
     max_body_depth: int = Field(64, ge=8, le=512, description="Deepest nesting of lists and objects in a request body.")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="Seconds a client may take to send a request's line and headers, counted from when "
+        "its connection opens or its previous answer ends; then the connection is closed.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds a client may take to send a request's whole body; then a 408.")
     max_tool_schema_depth: int = Field(
         24, ge=2, le=256, description="Deepest nesting in one tool's (or function's) definition; deeper is a 400.")
     max_tool_schema_bytes: int = Field(65_536, ge=256, description="Largest JSON size of one tool's definition.")
@@ -220,6 +225,19 @@ class StoreSettings(Strict):
                                    "(`store: true`), after which `previous_response_id` cannot name them.")
     responses_max_entries: int = Field(10_000, ge=1, description="Most stored responses the memory backend keeps "
                                        "(oldest dropped first); Redis keeps each for its TTL.")
+    responses_max_per_tenant: int = Field(
+        10_000, ge=1, description="Most stored responses one tenant keeps at once. Past this (or "
+        "responses_max_bytes_per_tenant) a `store: true` request is answered but not stored: its response says "
+        "`store: false`.")
+    responses_max_bytes_per_tenant: int = Field(
+        100_000_000, ge=1024, description="Most bytes (UTF-8 JSON) of stored responses one tenant keeps at once.")
+    max_memory_fraction: float = Field(
+        0.8, gt=0, le=1, description="redis: above this share of Redis's maxmemory (INFO memory, read at most once a "
+        "second) stored responses and cached continuations are not written, keeping room for budgets and rate "
+        "limits; a Redis without maxmemory has no such guard.")
+    memory_max_bytes: int = Field(
+        256_000_000, ge=1024, description="memory: most bytes of stored responses and cached continuations together; "
+        "past it neither is written.")
 
     @field_validator("url")
     @classmethod

@@ -1,27 +1,38 @@
 """Bodies built to break the gateway, and what keeps clients from steering its internals (unit:
-the body reader, the request schema, pass-through's checks, error rendering, tenant slots)."""
+the body reader, the request schema, pass-through's checks, error rendering, tenant slots; and
+the app on a runtime without models, alone and served by uvicorn: body limits, time-outs, ids)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
+import httpx
 import pytest
+import uvicorn
+from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters.cache_isolation import TenantSlots
 from adapters.chat_template import ZERO_WIDTH_SPACE, neutralize
 from adapters.store import MemoryStore, StoreUnavailable
+from gateway.__main__ import uvicorn_config
 from gateway.admission.passthrough import blocker_of, check_tools, upstream_params
+from gateway.api.app import create_app
 from gateway.api.errors import QUOTE_CHARS, GatewayError, InvalidRequest
 from gateway.api.request_body import parse_json_body
 from gateway.api.schemas import ChatCompletionRequest
-from gateway.settings import ServerSettings
+from gateway.settings import ServerSettings, Settings
 from policies import build_policy
 from policies.base import RoutingState, Signal
+from tests.conftest import free_port, gateway_config
 
 USER = {"role": "user", "content": "Hi"}
 
@@ -107,8 +118,11 @@ def test_tools_of_unserved_types_or_past_the_limits_are_a_400_naming_the_tool(to
 
 
 def test_served_tools_pass_and_configured_types_are_served():
-    check_tools(request(tools=[tool()], functions=[{"name": "g"}]), ["function"], SERVER)
-    check_tools(request(tools=[tool(kind="custom")]), ["function", "custom"], SERVER)
+    assert check_tools(request(tools=[tool()], functions=[{"name": "g"}]), ["function"], SERVER) is None
+    custom = request(tools=[tool(kind="custom")])
+    with pytest.raises(InvalidRequest):
+        check_tools(custom, ["function"], SERVER)
+    assert check_tools(custom, ["function", "custom"], SERVER) is None  # served once configured
 
 
 def test_blockers_carry_a_bounded_reason_for_metrics():
@@ -211,8 +225,9 @@ def test_tenant_slots_wait_for_a_free_slot_and_never_share_one():
 def test_any_parsed_value_is_accepted_or_refused_with_a_400(value):
     raw = json.dumps({"model": "m", "x": value})  # ensure_ascii: surrogates arrive as \\u escapes
     try:
-        parse(raw, depth=6)
+        assert parse(raw, depth=6)["x"] == value
     except InvalidRequest as error:
+        assert (error.status, error.type) == (400, "invalid_request_error")
         json.dumps(error.body(), ensure_ascii=False).encode("utf-8")
 
 
@@ -324,3 +339,175 @@ def test_a_slot_lease_whose_call_ended_before_the_reply_is_given_back():
             return fields
 
     assert run(scenario()) == {"id_slot": 0}
+
+
+# -- whole requests, through the app and through uvicorn as `python -m gateway serve` runs it --
+
+def gateway_app(**server):
+    """The gateway's app on a runtime without models, where every API key is a tenant's (a body is
+    read once its key is accepted); `server` overrides server settings."""
+
+    async def start(settings):
+        async def close():
+            pass
+        return SimpleNamespace(settings=settings, aliases={}, local_models={}, close=close, tenants=SimpleNamespace(
+            authenticate=lambda key: SimpleNamespace(id="t"), is_admin=lambda key: False))
+
+    config = gateway_config(None)
+    config["server"].update(server)
+    return create_app(Settings.model_validate(config), start_runtime=start)
+
+
+AUTH = {"authorization": "Bearer sk-any"}
+POSTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+
+
+async def post(app, path: str, messages) -> tuple[int, dict, int]:
+    """POST to `app`, in its lifespan, a body of no declared length (HTTP/1.1's chunked) as the ASGI
+    `messages` (then the client leaves): the status, the JSON answer, and how many messages the app read."""
+    read, sent = 0, []
+
+    async def receive():
+        nonlocal read
+        read += 1
+        return next(messages, {"type": "http.disconnect"})
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"authorization", AUTH["authorization"].encode()), (b"transfer-encoding", b"chunked")],
+             "client": ("127.0.0.1", 9), "server": ("127.0.0.1", 8000)}
+    async with app.router.lifespan_context(app):
+        await app(scope, receive, send)
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], json.loads(body), read
+
+
+def chunked(parts) -> Iterator[dict]:
+    """The ASGI messages of a body sent in `parts`."""
+    yield from ({"type": "http.request", "body": part, "more_body": True} for part in parts)
+    yield {"type": "http.request", "body": b"", "more_body": False}
+
+
+def test_a_body_of_no_declared_length_is_refused_once_it_passes_the_limit_not_read_whole():
+    megabyte = b" " * 1_000_000  # JSON whitespace: the body would parse, were it within the limit
+    status, answer, read = run(post(gateway_app(max_body_bytes=2_000_000), "/v1/responses",
+                                    chunked(megabyte for _ in range(200))))
+    assert status == 400 and "exceeds 2000000 bytes" in answer["error"]["message"]
+    assert read == 3  # of 200 MB, the three megabytes that passed the limit, not all of them
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_a_499_not_a_logged_error(caplog):
+    first_part = {"type": "http.request", "body": b'{"model": ', "more_body": True}
+    status, answer, _ = run(post(gateway_app(), "/v1/chat/completions", iter([first_part])))
+    assert status == 499 and answer["error"]["code"] == "client_closed_request"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_an_integer_past_pythons_digit_limit_is_a_400_on_every_endpoint():
+    body = '{"model": "m", "prompt": "Hi", "input": "Hi", "messages": [], "max_tokens": ' + "9" * 5000 + "}"
+    with TestClient(gateway_app()) as client:
+        for path in POSTS:
+            response = client.post(path, content=body, headers=AUTH)
+            error = response.json()["error"]
+            assert (response.status_code, error["type"]) == (400, "invalid_request_error"), (path, response.text)
+            assert "more than 4300 digits" in error["message"]
+
+
+@pytest.mark.parametrize(("sent", "echoed"), [
+    (b"req-42.a_b:c", True), (b"x" * 64, True), (b"x" * 65, False), (b"id\x1b[2J\x1b[31mred", False),
+    (b'a", "level": "ERROR', False), (b"caf\xc3\xa9", False),
+])
+def test_a_client_request_id_is_echoed_only_if_it_is_plain(sent, echoed):
+    with TestClient(gateway_app()) as client:
+        got = client.get("/health/live", headers={"x-request-id": sent}).headers["x-request-id"]
+    if echoed:
+        assert got == sent.decode()
+    else:
+        assert len(got) == 32 and got.isalnum()  # a fresh one
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name"),
+    ({"tools": [tool(), {"type": "function"}]}, "tools[1].function"),
+    ({"functions": [{"name": ""}]}, "functions[0].name"),
+])
+def test_a_function_tool_without_a_name_is_a_400_naming_it(fields, param):
+    """llama-server answered one with a 500: a 502 to the client, and a failure against the breaker.
+    Pass-through admission refuses it before any upstream call."""
+    with pytest.raises(InvalidRequest) as refused:
+        check_tools(request(**fields), ["function"], SERVER)
+    assert refused.value.param == param
+
+
+# -- time-outs, over sockets against uvicorn --
+
+@contextlib.contextmanager
+def serving(**server) -> Iterator[int]:
+    """The gateway's app (see `gateway_app`) served by uvicorn in a thread with the settings that
+    `python -m gateway serve` gives it; yields the port."""
+    settings = ServerSettings(port=free_port(), **server)
+    uvicorn_server = uvicorn.Server(uvicorn_config(gateway_app(**server), settings, "warning"))
+    thread = threading.Thread(target=uvicorn_server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not uvicorn_server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield settings.port
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(10)
+
+
+def trickle(sock: socket.socket, limit_s: float = 5.0) -> tuple[float, bytes]:
+    """Send one byte every 0.1 s until the server closes the connection (or
+    `limit_s` passes): the seconds that took, and what the server sent meanwhile."""
+    started, received = time.monotonic(), b""
+    sock.settimeout(0.1)
+    while time.monotonic() - started < limit_s:
+        try:
+            sock.send(b"x")
+            data = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:  # reset: closed
+            break
+        if not data:
+            break
+        received += data
+    return time.monotonic() - started, received
+
+
+def test_a_connection_whose_headers_do_not_arrive_in_time_is_closed():
+    with serving(header_timeout_s=0.5) as port:
+        with socket.create_connection(("127.0.0.1", port)) as silent, \
+                socket.create_connection(("127.0.0.1", port)) as slow, \
+                socket.create_connection(("127.0.0.1", port)) as kept:
+            slow.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            kept.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b'{"status":"ok"}'):
+                answer += kept.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200")
+            kept.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # the next request stalls
+            silent.settimeout(3)
+            started = time.monotonic()
+            assert silent.recv(1) == b"" and time.monotonic() - started < 2  # sent nothing: closed
+            for sock in (slow, kept):  # a header a byte at a time: closed all the same
+                took, answer = trickle(sock)
+                assert took < 2 and answer == b""
+
+
+def test_a_body_trickled_past_its_time_out_is_a_408_that_closes_the_connection():
+    with serving(header_timeout_s=0.5, body_timeout_s=1.0) as port, \
+            socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-any\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        took, answer = trickle(sock)  # past the header time-out: it is the body's that applies
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and 0.9 < took < 3, (took, answer)
+        assert b"connection: close" in head.lower()
+        assert json.loads(body)["error"]["code"] == "request_timeout"

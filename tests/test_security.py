@@ -5,7 +5,7 @@ and the llama-server upstream it launches itself (SmolLM2 on both sides, to stay
   sent a prompt (the upstream's prefix cache is partitioned by tenant slots);
 - pass-through neutralizes control-token strings, reserves the upstream's own count of the
   rendered prompt (tools included), and bills a cut stream no less than that;
-- hostile bodies get a 400 (never a 500), unserved tool types never reach litellm, and the
+- hostile bodies get a 400 (never a 500), unserved or unnamed tools never reach litellm, and the
   operational surface (/metrics, API docs) is not public.
 """
 
@@ -177,6 +177,19 @@ def test_metadata_reaches_the_upstream_as_data_and_unserved_tools_do_not(gateway
     response = httpx.post(f"{gateway.base_url}/v1/chat/completions", content=deep,
                           headers={"Authorization": f"Bearer {DEMO_KEY}", "Content-Type": "application/json"})
     assert response.status_code == 400 and "nested deeper" in response.json()["error"]["message"]
+
+
+def test_a_tool_without_a_name_and_an_integer_past_pythons_limit_are_a_400_not_a_5xx(gateway):
+    auth = {"Authorization": f"Bearer {DEMO_KEY}", "Content-Type": "application/json"}
+    unnamed = {"model": "routed", "messages": [{"role": "user", "content": "Hi"}],
+               "tools": [{"type": "function", "function": {"parameters": {"type": "object"}}}]}
+    response = httpx.post(f"{gateway.base_url}/v1/chat/completions", json=unnamed, headers=auth, timeout=60)
+    assert response.status_code == 400 and "'tools[0].function.name'" in response.json()["error"]["message"]
+    huge = '{"model": "routed", "messages": [], "prompt": "Hi", "input": "Hi", "max_tokens": ' + "9" * 5000 + "}"
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+        response = httpx.post(f"{gateway.base_url}{path}", content=huge, headers=auth)
+        assert response.status_code == 400 and "4300 digits" in response.json()["error"]["message"], path
+    assert "Traceback" not in gateway.logs()
 
 
 def deep_schema(depth: int) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -78,8 +79,12 @@ def _openapi_with_request_bodies(app: FastAPI) -> dict:
     return schema
 
 
+REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,64}")  # what a client's id may hold to be echoed and logged
+
+
 class RequestIdMiddleware:
-    """Gives every response an `x-request-id` (the client's, if it sent one)."""
+    """Gives every response an `x-request-id`: the client's if it sent one of up to 64 letters, digits
+    and `._:-` (anything else could forge log lines or a terminal's escapes), else a fresh one."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -89,7 +94,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         incoming = dict(scope["headers"]).get(b"x-request-id", b"")
-        request_id = incoming[:64] or uuid.uuid4().hex.encode()
+        request_id = incoming if REQUEST_ID.fullmatch(incoming) else uuid.uuid4().hex.encode()
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":

@@ -14,13 +14,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 
 from gateway import observability
 from gateway.admission.chat import Admitted, admit
 from gateway.admission.passthrough import Passing
 from gateway.api.chat_bodies import chunk, completion_body, routing_header, usage_chunk
 from gateway.api.errors import ClientClosedRequest, GatewayError, InvalidRequest, param_of, quoted, sse_error_event
-from gateway.api.request_body import parse_json_body
+from gateway.api.request_body import parse_json_body, read_body
 from gateway.api.routes import authenticate, runtime_of
 from gateway.api.schemas import ChatCompletionRequest
 from gateway.decoding.decoder import Piece
@@ -32,13 +33,17 @@ B = TypeVar("B", bound=BaseModel)
 
 
 async def parse_body(request: Request, model: type[B]) -> B:
-    """The request's JSON body as `model`, within the server's size and depth limits; a 400 that
-    names the field otherwise."""
+    """The request's JSON body as `model`, within the server's size, depth and time limits; a 400
+    that names the field otherwise (a 408 past `body_timeout_s`, see `read_body`)."""
     server = runtime_of(request).settings.server
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and int(declared) > server.max_body_bytes:
         raise InvalidRequest(f"request body exceeds {server.max_body_bytes} bytes")
-    data = parse_json_body(await request.body(), server.max_body_bytes, server.max_body_depth)
+    try:
+        raw = await read_body(request.stream(), server.max_body_bytes, server.body_timeout_s)
+    except ClientDisconnect as exc:
+        raise ClientClosedRequest("the client closed the connection before sending the whole body") from exc
+    data = parse_json_body(raw, server.max_body_bytes, server.max_body_depth)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

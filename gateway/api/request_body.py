@@ -1,17 +1,42 @@
-"""Reading a client's JSON body safely: size, JSON, nesting depth and text that UTF-8 can encode.
+"""Reading a client's JSON body safely: time, size, JSON, nesting depth and text that UTF-8 can encode.
 
 Everything here runs before the body meets pydantic, litellm or an upstream, so that no body can
-cause a 500: Python's JSON parser recurses (a body nested 10,000 deep raises RecursionError), and
-JSON's `\\ud800` escapes decode to lone surrogates that fail later, wherever the text is encoded.
-The walk is iterative and names the offending field as OpenAI's `param` does.
+cause a 500: Python's JSON parser recurses (a body nested 10,000 deep raises RecursionError) and
+refuses integers of more than 4,300 digits (ValueError), and JSON's `\\ud800` escapes decode to
+lone surrogates that fail later, wherever the text is encoded. The walk is iterative and names the
+offending field as OpenAI's `param` does.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import sys
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from gateway.api.errors import InvalidRequest, quoted
+
+
+async def read_body(chunks: AsyncGenerator[bytes, None], max_bytes: int, timeout_s: float) -> bytes:
+    """The body whose parts `chunks` yields as they arrive (closed once read), or InvalidRequest:
+    a 400 as soon as it passes `max_bytes` (a chunked body declares no length to check first), a
+    408 if it has not all arrived within `timeout_s` (a client trickling it would hold its
+    connection and its memory for as long as it liked)."""
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s), contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                if len(body) + len(chunk) > max_bytes:
+                    raise InvalidRequest(f"request body exceeds {max_bytes} bytes")
+                body += chunk
+    except TimeoutError as exc:
+        error = InvalidRequest(f"the request body did not arrive within {timeout_s:g} s",
+                               headers={"connection": "close"})
+        error.status, error.code = 408, "request_timeout"
+        raise error from exc
+    return bytes(body)
 
 
 def parse_json_body(raw: bytes, max_bytes: int, max_depth: int) -> dict[str, Any]:
@@ -24,6 +49,9 @@ def parse_json_body(raw: bytes, max_bytes: int, max_depth: int) -> dict[str, Any
         raise InvalidRequest(f"request body is nested deeper than {max_depth} levels") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {str(exc)[:200]}") from exc
+    except ValueError as exc:  # valid JSON, but an integer past Python's limit on digits
+        raise InvalidRequest(f"request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                             "digits") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
     check_json(data, max_depth)
