@@ -10,6 +10,8 @@ tenant as their hash tag, so one Redis Cluster slot holds them all:
   {p}:{tenant}:par                    zset of requests in flight, score = expiry
   {p}:{tenant}:settled:{reservation}  marks a settled reservation, so a retried settle bills nothing
   {p}:{tenant}:resp:{response id}     a stored Responses API response (JSON), for its own TTL
+  {p}:{tenant}:resps                  zset of the tenant's stored response ids, score = expiry
+  {p}:{tenant}:resp-bytes             hash: response id -> bytes, and "" -> their total (the quota)
   {p}:{cache:}:entry:{key}            cached upstream continuations, indexed by write time in
   {p}:{cache:}:index                  zset of cache keys; the oldest go past `cache_max_entries`
   {p}:{slots:<server>}:state          hash: an upstream server's slot -> JSON {scope, key, used,
@@ -20,7 +22,9 @@ together pass a limit; settlement is another script, exactly-once per reservatio
 Calls run on a small thread pool with blocking sockets, so a time-out measures Redis (and the
 network), not the event loop: a busy loop that reads a reply late must not make the store look
 down. After three failures in a row the store reports itself unavailable for a second instead of
-costing a time-out on every call.
+costing a time-out on every call. Above `max_memory_fraction` of Redis's maxmemory, stored
+responses and cached continuations are not written (StoreFull), so that a Redis that refuses writes
+when full (`noeviction`) still has room for budgets and rate limits.
 """
 
 from __future__ import annotations
@@ -45,10 +49,13 @@ from adapters.store import (
     Limits,
     RateLimits,
     Reservation,
+    ResponseQuota,
     SlotLease,
+    StoreFull,
     StoreSkipped,
     StoreUnavailable,
     WindowUsage,
+    long_lease_limits,
     to_micro,
     windows_of,
 )
@@ -108,6 +115,16 @@ redis.call('EXPIRE', KEYS[1], 120)
 return 1
 """
 
+# Tokens per minute, once a request's prompt is tokenized. KEYS: this minute's hash. ARGV: tokens,
+# limit. Returns 1 (counted) or 0 (refused, nothing counted).
+ADMIT_TOKENS_LUA = """
+local used = tonumber(redis.call('HGET', KEYS[1], 'tokens') or 0)
+if used + tonumber(ARGV[1]) > tonumber(ARGV[2]) then return 0 end
+redis.call('HINCRBY', KEYS[1], 'tokens', ARGV[1])
+redis.call('EXPIRE', KEYS[1], 120)
+return 1
+"""
+
 # Exactly-once settlement. KEYS: settled marker, held zset, day hash, month hash. ARGV: member,
 # prompt tokens, completion tokens, cost, day ttl, month ttl, marker ttl, cached tokens, compute ms.
 # Returns 1 if it billed.
@@ -139,19 +156,51 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 return 1
 """
 
+# A stored response, within the tenant's quota. KEYS: response, ids zset, sizes hash. ARGV: id,
+# value, ttl s, now, most responses, most bytes. Returns 1 if written, 0 if it would pass the quota.
+RESPONSE_PUT_LUA = """
+local now, ttl, size = tonumber(ARGV[4]), tonumber(ARGV[3]), string.len(ARGV[2])
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do
+  redis.call('HINCRBY', KEYS[3], '', -tonumber(redis.call('HGET', KEYS[3], id) or 0))
+  redis.call('HDEL', KEYS[3], id)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local held = tonumber(redis.call('HGET', KEYS[3], '') or 0)
+if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[5]) or held + size > tonumber(ARGV[6]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ttl)
+redis.call('ZADD', KEYS[2], now + ttl, ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], size)
+redis.call('HINCRBY', KEYS[3], '', size)
+redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('EXPIRE', KEYS[3], ttl)
+return 1
+"""
+
+# Forget a stored response and its share of the quota. KEYS: as RESPONSE_PUT_LUA. ARGV: id.
+RESPONSE_DELETE_LUA = """
+if redis.call('DEL', KEYS[1]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[3], '', -tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or 0))
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+"""
+
 UNLIMITED = -1
 # The continuation cache is one bounded set (entries and their index, which its script trims
 # together): one hash tag keeps it in one Cluster slot. Tenant ids cannot contain ":" (settings).
 # Lease the best free slot of one server (store.slot_rank, the same order). KEYS: the server's
 # slots hash (field: slot number, value: JSON state). ARGV: count, scope, key, now, ttl s, lease id.
-# Returns {slot, previous scope} or nil when every slot is held.
+# ARGV[7..9]: long (1/0), slots a long lease leaves free, long leases a scope may hold
+# (store.long_lease_limits). Returns {slot, previous scope} or nil when no slot may be had.
 SLOT_LEASE_LUA = """
 local best, best_rank, best_used, before = -1, -1, 0, ''
-local now = tonumber(ARGV[4])
+local now, free, held_long = tonumber(ARGV[4]), 0, 0
 for i = 0, tonumber(ARGV[1]) - 1 do
   local raw = redis.call('HGET', KEYS[1], i)
   local state = raw and cjson.decode(raw) or {}
+  if (state.b or 0) > now and state.t == 1 and state.s == ARGV[2] then held_long = held_long + 1 end
   if (state.b or 0) <= now then
+    free = free + 1
     local rank = 0
     if state.s == ARGV[2] then
       rank = (state.k == ARGV[3]) and 3 or 2
@@ -165,7 +214,8 @@ for i = 0, tonumber(ARGV[1]) - 1 do
   end
 end
 if best < 0 then return nil end
-local state = {s = ARGV[2], k = ARGV[3], u = now, b = now + tonumber(ARGV[5]), l = ARGV[6]}
+if ARGV[7] == '1' and (free <= tonumber(ARGV[8]) or held_long >= tonumber(ARGV[9])) then return nil end
+local state = {s = ARGV[2], k = ARGV[3], u = now, b = now + tonumber(ARGV[5]), l = ARGV[6], t = tonumber(ARGV[7])}
 redis.call('HSET', KEYS[1], best, cjson.encode(state))
 redis.call('EXPIRE', KEYS[1], 86400)
 return {best, before}
@@ -195,13 +245,16 @@ T = TypeVar("T")
 log = logging.getLogger("gateway.store")
 FAILURES_BEFORE_SKIP = 3  # one slow reply must not turn a whole burst of requests local-only
 SKIP_S = 1.0  # then calls fail at once for this long instead of each waiting for its time-out
+MEMORY_READ_S = 1.0  # how long one reading of INFO memory stands
+NO_QUOTA = ResponseQuota(2**53, 2**53)  # a Lua number holds integers exactly up to 2^53
 
 
 class RedisStore:
     """Store over one Redis; every method raises StoreUnavailable when Redis does not answer."""
 
     def __init__(self, url: str, prefix: str, timeout_s: float, reservation_ttl_s: float, cache_ttl_s: float,
-                 cache_max_entries: int = 10_000, threads: int = 4, cluster: bool = False) -> None:
+                 cache_max_entries: int = 10_000, threads: int = 4, cluster: bool = False,
+                 max_memory_fraction: float = 0.8) -> None:
         options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
                        decode_responses=True, max_connections=threads)
         self._redis = RedisCluster.from_url(url, **options) if cluster else redis.Redis.from_url(url, **options)
@@ -212,12 +265,18 @@ class RedisStore:
         self._cache_max_entries = cache_max_entries
         self._headroom_script = self._redis.register_script(HEADROOM_LUA)
         self._admit_script = self._redis.register_script(ADMIT_LUA)
+        self._admit_tokens_script = self._redis.register_script(ADMIT_TOKENS_LUA)
         self._settle_script = self._redis.register_script(SETTLE_LUA)
         self._cache_put_script = self._redis.register_script(CACHE_PUT_LUA)
         self._slot_lease_script = self._redis.register_script(SLOT_LEASE_LUA)
         self._slot_release_script = self._redis.register_script(SLOT_RELEASE_LUA)
+        self._response_put_script = self._redis.register_script(RESPONSE_PUT_LUA)
+        self._response_delete_script = self._redis.register_script(RESPONSE_DELETE_LUA)
         self._failures = 0  # consecutive; only touched on the event loop
         self._skip_until = 0.0
+        self._cluster = cluster
+        self._max_memory_fraction = max_memory_fraction
+        self._memory = (-MEMORY_READ_S, 0.0)  # (when read, monotonic; share of maxmemory used)
 
     async def _run(self, call: Callable[[], T]) -> T:
         """Run one blocking Redis call on the pool; any failure becomes StoreUnavailable."""
@@ -317,6 +376,12 @@ class RedisStore:
             return None
         return (minute + 1) * 60 - now if verdict == 0 else 1.0
 
+    async def admit_tokens(self, tenant: str, tokens: int, limit: int, now: float) -> float | None:
+        minute = int(now // 60)
+        keys = [self._key(tenant, "rate", minute)]
+        admitted = await self._run(lambda: self._admit_tokens_script(keys=keys, args=[tokens, limit]))
+        return None if admitted == 1 else (minute + 1) * 60 - now
+
     async def release_slot(self, tenant: str, request_id: str) -> None:
         await self._run(lambda: self._redis.zrem(self._key(tenant, "par"), request_id))
 
@@ -324,24 +389,48 @@ class RedisStore:
         return await self._run(lambda: self._redis.get(self._key(CACHE_TAG, "entry", key)))
 
     async def cache_put(self, key: str, value: str) -> None:
+        await self._check_room()
         keys = [self._key(CACHE_TAG, "entry", key), self._key(CACHE_TAG, "index")]
         args = [value, int(self._cache_ttl_s), time.time(), self._cache_max_entries]
         await self._run(lambda: self._cache_put_script(keys=keys, args=args))
 
-    async def response_put(self, tenant: str, response_id: str, value: str, ttl_s: float) -> None:
-        key = self._key(tenant, "resp", response_id)
-        await self._run(lambda: self._redis.set(key, value, ex=max(1, int(ttl_s))))
+    async def response_put(self, tenant: str, response_id: str, value: str, ttl_s: float,
+                           quota: ResponseQuota | None = None) -> None:
+        await self._check_room()
+        quota = quota or NO_QUOTA
+        args = [response_id, value, max(1, int(ttl_s)), time.time(), quota.count, quota.bytes]
+        keys = self._response_keys(tenant, response_id)
+        if not await self._run(lambda: self._response_put_script(keys=keys, args=args)):
+            raise StoreFull(f"tenant '{tenant}' is at its quota of stored responses ({quota})")
 
     async def response_get(self, tenant: str, response_id: str) -> str | None:
         return await self._run(lambda: self._redis.get(self._key(tenant, "resp", response_id)))
 
     async def response_delete(self, tenant: str, response_id: str) -> bool:
-        return bool(await self._run(lambda: self._redis.delete(self._key(tenant, "resp", response_id))))
+        keys = self._response_keys(tenant, response_id)
+        return bool(await self._run(lambda: self._response_delete_script(keys=keys, args=[response_id])))
+
+    def _response_keys(self, tenant: str, response_id: str) -> list[str]:
+        return [self._key(tenant, "resp", response_id), self._key(tenant, "resps"), self._key(tenant, "resp-bytes")]
+
+    async def _check_room(self) -> None:
+        """Raise StoreFull while Redis uses more than `max_memory_fraction` of its maxmemory (no
+        maxmemory: never). INFO memory is read at most once a second."""
+        read_at, used = self._memory
+        if time.monotonic() - read_at >= MEMORY_READ_S:
+            target = {"target_nodes": RedisCluster.PRIMARIES} if self._cluster else {}
+            info = await self._run(lambda: self._redis.info("memory", **target))
+            used = max(map(_memory_share, [info] if "used_memory" in info else info.values()))  # a node each
+            self._memory = (time.monotonic(), used)
+        if used > self._max_memory_fraction:
+            raise StoreFull(f"Redis is near full ({used:.0%} of maxmemory used; stored responses and cached "
+                            f"continuations stop at {self._max_memory_fraction:.0%})")
 
     async def slot_lease(self, server: str, count: int, scope: str, key: str, ttl_s: float,
-                         lease: str = "") -> SlotLease | None:
+                         lease: str = "", long: bool = False) -> SlotLease | None:
         lease = lease or uuid.uuid4().hex
-        keys, args = [self._key(f"slots:{server}", "state")], [count, scope, key, time.time(), ttl_s, lease]
+        keys = [self._key(f"slots:{server}", "state")]
+        args = [count, scope, key, time.time(), ttl_s, lease, int(long), *long_lease_limits(count)]
         held = await self._run(lambda: self._slot_lease_script(keys=keys, args=args))
         if held is None:
             return None
@@ -365,6 +454,12 @@ class RedisStore:
 
 def _member(reservation: Reservation) -> str:
     return f"{reservation.id}|{reservation.tokens}|{reservation.cost_micro}"
+
+
+def _memory_share(info: dict[str, Any]) -> float:
+    """The share of its maxmemory one Redis node uses (0 when it has none)."""
+    limit = int(info.get("maxmemory", 0))
+    return int(info["used_memory"]) / limit if limit else 0.0
 
 
 def _limit(value: int | None) -> int:

@@ -7,7 +7,9 @@ with what was actually billed; `release` drops it unspent. A reservation expires
 after its time-to-live (at least the store's `reservation_ttl_s`, longer when the caller asks for
 the worst-case duration of its call), so one left behind by a dead process cannot block a tenant
 for long. Settlement is exactly-once per reservation id: a retried settle (after a reply that was
-lost) bills nothing twice. The continuation cache is bounded in time (TTL) and size (LRU entries).
+lost) bills nothing twice. The continuation cache is bounded in time (TTL) and size (LRU entries);
+stored responses by a quota per tenant (count and bytes). Neither is written while the store is
+near full (`StoreFull`), so that budgets and rate limits always have room.
 Slot leases hand out a llama-server upstream's slots to calls, one scope's prompts per slot, the
 same way in every process that shares the store.
 """
@@ -32,6 +34,19 @@ class StoreUnavailable(Exception):
 
 class StoreSkipped(StoreUnavailable):
     """Not even tried, since the store failed repeatedly just now: nothing was written."""
+
+
+class StoreFull(StoreUnavailable):
+    """A stored response or cached continuation refused: the store is near full (room is kept for
+    budgets and rate limits) or the tenant's stored responses are at their quota. Nothing was written."""
+
+
+@dataclass(frozen=True)
+class ResponseQuota:
+    """The most stored responses one tenant keeps at once, by count and by bytes (UTF-8)."""
+
+    count: int
+    bytes: int
 
 
 @dataclass(frozen=True)
@@ -146,6 +161,19 @@ def slot_rank(state: dict[str, Any], scope: str, key: str) -> tuple[int, float]:
     return (1 if not state.get("s") else 0), -state.get("u", 0.0)
 
 
+def long_lease_limits(count: int) -> tuple[int, int]:
+    """For `count` slots: how many must stay free for a long lease to be granted, and how many long
+    leases one scope may hold. A whole answer holds its slot for minutes, a hand-off for a fraction
+    of a second: without these, two streams of one tenant would hold a two-slot server and every
+    other tenant's hand-offs would wait for them."""
+    return (1 if count > 1 else 0), max(1, (count - 1) // 2)
+
+
+def size_of(value: str) -> int:
+    """The bytes a kept text takes (UTF-8), as Redis counts them."""
+    return len(value.encode())
+
+
 def new_reservation(tenant: str, tokens: int, cost_usd: float) -> Reservation:
     return Reservation(tenant, uuid.uuid4().hex, tokens, to_micro(cost_usd, round_up=True))
 
@@ -175,15 +203,23 @@ class Store(Protocol):
 
         A refused request does not count. An admitted one holds a parallel slot until `release_slot`."""
 
+    async def admit_tokens(self, tenant: str, tokens: int, limit: int, now: float) -> float | None:
+        """Count `tokens` (an admitted request's prompt and answers, once its prompt is tokenized)
+        against `limit` tokens this minute; None if they fit, else seconds to wait (and nothing counts)."""
+
     async def release_slot(self, tenant: str, request_id: str) -> None: ...
 
     async def cache_get(self, key: str) -> str | None: ...
 
     async def cache_put(self, key: str, value: str) -> None:
-        """Keep `value` for the cache TTL; the least recently written entries go past the size cap."""
+        """Keep `value` for the cache TTL; the least recently written entries go past the size cap.
+        Raises StoreFull (nothing written) while the store is near full."""
 
-    async def response_put(self, tenant: str, response_id: str, value: str, ttl_s: float) -> None:
-        """Keep a stored Responses API response of `tenant`'s for `ttl_s` seconds."""
+    async def response_put(self, tenant: str, response_id: str, value: str, ttl_s: float,
+                           quota: ResponseQuota | None = None) -> None:
+        """Keep a stored Responses API response of `tenant`'s for `ttl_s` seconds. Raises StoreFull
+        (nothing written) if the tenant's live stored responses and this one would pass `quota`
+        (None: no quota), or while the store is near full."""
 
     async def response_get(self, tenant: str, response_id: str) -> str | None:
         """`tenant`'s stored response, or None (unknown, expired, deleted, or another tenant's)."""
@@ -192,11 +228,12 @@ class Store(Protocol):
         """Forget `tenant`'s stored response; False if there was none."""
 
     async def slot_lease(self, server: str, count: int, scope: str, key: str, ttl_s: float,
-                         lease: str = "") -> SlotLease | None:
+                         lease: str = "", long: bool = False) -> SlotLease | None:
         """Hold the free slot of `server`'s `count` that best suits a call in cache `scope` (see
         `slot_rank`) for at most `ttl_s`, recording `scope` as its holder, under the id `lease`
-        (a new one if empty); None while all are held. Every gateway process sharing the store
-        hands out the same slots."""
+        (a new one if empty); None while all are held. A `long` lease (a whole answer streamed
+        through) gets a slot only within `long_lease_limits`. Every gateway process sharing the
+        store hands out the same slots."""
 
     async def slot_release(self, server: str, lease: SlotLease, erased: bool = True) -> None:
         """Free a held slot; `erased=False` after a failed erase (its next holder erases it).
@@ -225,6 +262,7 @@ class MemoryStore:
     cache_ttl_s: float = 86_400.0
     cache_max_entries: int = 10_000
     responses_max_entries: int = 10_000
+    max_bytes: int = 256_000_000  # stored responses and cached continuations together: past it, neither is written
     _windows: dict[tuple[str, str, str], _Window] = field(default_factory=dict)
     _held: dict[str, dict[str, tuple[Reservation, float]]] = field(default_factory=dict)
     _minute: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # (requests, tokens)
@@ -232,6 +270,8 @@ class MemoryStore:
     _cache: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
     _settled: OrderedDict[str, float] = field(default_factory=OrderedDict)  # reservation id -> when to forget it
     _responses: OrderedDict[tuple[str, str], tuple[str, float]] = field(default_factory=OrderedDict)
+    _tenant_responses: dict[str, tuple[int, int]] = field(default_factory=dict)  # tenant -> (count, bytes)
+    _kept_bytes: int = 0  # of stored responses and cached continuations
     _slots: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)  # server -> slot -> state
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -324,6 +364,14 @@ class MemoryStore:
         self._minute[(tenant, minute)] = (requests + 1, used + tokens)
         return None
 
+    async def admit_tokens(self, tenant: str, tokens: int, limit: int, now: float) -> float | None:
+        minute = int(now // 60)
+        requests, used = self._minute.get((tenant, minute), (0, 0))
+        if used + tokens > limit:
+            return (minute + 1) * 60 - now
+        self._minute[(tenant, minute)] = (requests, used + tokens)
+        return None
+
     async def release_slot(self, tenant: str, request_id: str) -> None:
         self._parallel.get(tenant, {}).pop(request_id, None)
 
@@ -334,35 +382,89 @@ class MemoryStore:
         return hit[0]
 
     async def cache_put(self, key: str, value: str) -> None:
-        self._cache.pop(key, None)
+        self._forget_cached(key)
+        self._make_room(size_of(value))
         self._cache[key] = (value, time.time() + self.cache_ttl_s)
+        self._kept_bytes += size_of(value)
         while len(self._cache) > self.cache_max_entries:
-            self._cache.popitem(last=False)
+            self._forget_cached(next(iter(self._cache)))
 
-    async def response_put(self, tenant: str, response_id: str, value: str, ttl_s: float) -> None:
-        self._responses[(tenant, response_id)] = (value, time.time() + ttl_s)
+    async def response_put(self, tenant: str, response_id: str, value: str, ttl_s: float,
+                           quota: ResponseQuota | None = None) -> None:
+        now, size = time.time(), size_of(value)
+        self._forget_response((tenant, response_id))
+        self._forget_expired_responses(now, oldest_only=True)
+        if not self._within(quota, tenant, size):
+            self._forget_expired_responses(now)  # before refusing, every expired one whatever its TTL
+            if not self._within(quota, tenant, size):
+                raise StoreFull(f"tenant '{tenant}' is at its quota of stored responses ({quota})")
+        self._make_room(size)
+        self._responses[(tenant, response_id)] = (value, now + ttl_s)
+        count, held = self._tenant_responses.get(tenant, (0, 0))
+        self._tenant_responses[tenant] = (count + 1, held + size)
+        self._kept_bytes += size
         while len(self._responses) > self.responses_max_entries:  # one process's memory: the oldest go
-            self._responses.popitem(last=False)
+            self._forget_response(next(iter(self._responses)))
 
     async def response_get(self, tenant: str, response_id: str) -> str | None:
         hit = self._responses.get((tenant, response_id))
         return hit[0] if hit is not None and hit[1] > time.time() else None
 
     async def response_delete(self, tenant: str, response_id: str) -> bool:
-        hit = self._responses.pop((tenant, response_id), None)
+        hit = self._forget_response((tenant, response_id))
         return hit is not None and hit[1] > time.time()
 
+    def _make_room(self, size: int) -> None:
+        if self._kept_bytes + size > self.max_bytes:
+            raise StoreFull(f"the in-process store is near full ({self._kept_bytes} of {self.max_bytes} bytes kept)")
+
+    def _forget_cached(self, key: str) -> None:
+        hit = self._cache.pop(key, None)
+        if hit is not None:
+            self._kept_bytes -= size_of(hit[0])
+
+    def _forget_response(self, key: tuple[str, str]) -> tuple[str, float] | None:
+        hit = self._responses.pop(key, None)
+        if hit is not None:
+            size = size_of(hit[0])
+            count, held = self._tenant_responses.pop(key[0])
+            if count > 1:
+                self._tenant_responses[key[0]] = (count - 1, held - size)
+            self._kept_bytes -= size
+        return hit
+
+    def _within(self, quota: ResponseQuota | None, tenant: str, size: int) -> bool:
+        count, held = self._tenant_responses.get(tenant, (0, 0))
+        return quota is None or (count + 1 <= quota.count and held + size <= quota.bytes)
+
+    def _forget_expired_responses(self, now: float, oldest_only: bool = False) -> None:
+        """Forget expired responses: all, or (cheap) the run of them at the oldest end, which is all
+        of them when every response has the same TTL."""
+        expired = []
+        for key, (_, expires) in self._responses.items():
+            if expires <= now:
+                expired.append(key)
+            elif oldest_only:
+                break
+        for key in expired:
+            self._forget_response(key)
+
     async def slot_lease(self, server: str, count: int, scope: str, key: str, ttl_s: float,
-                         lease: str = "") -> SlotLease | None:
+                         lease: str = "", long: bool = False) -> SlotLease | None:
         now = time.time()
         states = self._slots.setdefault(server, {})
         free = [i for i in range(count) if states.get(i, {}).get("b", 0.0) <= now]
+        if long:
+            keep_free, per_scope = long_lease_limits(count)
+            held_long = sum(1 for i in range(count) if i not in free and states[i].get("t") and states[i]["s"] == scope)
+            if len(free) <= keep_free or held_long >= per_scope:
+                return None
         if not free:
             return None
         slot = max(free, key=lambda i: slot_rank(states.get(i, {}), scope, key))
         before = states.get(slot, {}).get("s")
         held = SlotLease(slot, bool(before) and before != scope, lease or uuid.uuid4().hex)
-        states[slot] = {"s": scope, "k": key, "u": now, "b": now + ttl_s, "l": held.lease}
+        states[slot] = {"s": scope, "k": key, "u": now, "b": now + ttl_s, "l": held.lease, "t": int(long)}
         return held
 
     async def slot_release(self, server: str, lease: SlotLease, erased: bool = True) -> None:

@@ -192,6 +192,7 @@ def _store(settings: Settings) -> Store:
     s = settings.store
     if s.backend == "redis":
         return RedisStore(s.url, s.key_prefix, s.timeout_s, s.reservation_ttl_s, s.cache_ttl_s, s.cache_max_entries,
-                          cluster=s.cluster)
+                          cluster=s.cluster, max_memory_fraction=s.max_memory_fraction)
     return MemoryStore(reservation_ttl_s=s.reservation_ttl_s, cache_ttl_s=s.cache_ttl_s,
-                       cache_max_entries=s.cache_max_entries, responses_max_entries=s.responses_max_entries)
+                       cache_max_entries=s.cache_max_entries, responses_max_entries=s.responses_max_entries,
+                       max_bytes=s.memory_max_bytes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 
 import agents
 import httpx
@@ -108,6 +109,50 @@ def test_store_false_keeps_nothing(client):
     with pytest.raises(openai.NotFoundError) as caught:
         client.responses.create(model="routed", input="Go on", previous_response_id=response.id, max_output_tokens=4)
     assert caught.value.body["param"] == "previous_response_id"
+
+
+def test_store_false_leaves_nothing_in_the_continuation_cache(client):
+    prompt = f"Spell the word {uuid.uuid4().hex[:6]}."  # no other request has asked it
+
+    def ask(store: bool):
+        return client.responses.create(model="routed", input=prompt, max_output_tokens=4, temperature=0, store=store,
+                                       extra_body={"routing": {"policy": "always"}})  # every token from upstream
+
+    unstored = ask(False)
+    routing = unstored.usage.model_extra["routing"]
+    assert routing["upstream_calls"] > 0
+    assert unstored.usage.input_tokens_details.cached_tokens == 0  # a local count: the upstream's cache is not its
+    assert ask(False).usage.model_extra["routing"]["cache_tokens"] == 0  # the first kept nothing to reuse
+    ask(True)
+    assert ask(True).usage.model_extra["routing"]["cache_tokens"] > 0  # while a stored one does keep its hand-offs
+
+
+def test_echoed_annotations_past_openais_limits_are_a_400_naming_the_field(gateway):
+    # each would be echoed in the Response and stored with it for 30 days
+    for field, value in (("user", "u" * 900_000), ("prompt_cache_key", "k" * 65), ("safety_identifier", "s" * 65),
+                         ("service_tier", "x" * 100), ("metadata", {f"k{i}": "v" for i in range(17)}),
+                         ("metadata", {"k": "v" * 513})):
+        reply = httpx.post(f"{gateway.base_url}/v1/responses", headers={"Authorization": f"Bearer {DEMO_KEY}"},
+                           json={"model": "routed", "input": "Hi", "max_output_tokens": 1, field: value})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (field, reply.text[:200])
+
+
+def test_past_its_quota_a_tenant_is_answered_but_not_stored(tmp_path):
+    config = gateway_config(None, store={"backend": "memory", "responses_max_per_tenant": 2})
+    with live_gateway(config, tmp_path) as small:
+        client = small.client()
+
+        def ask(**fields):
+            return client.responses.create(model="local", input="Hi", max_output_tokens=2, **fields)
+
+        first, second, third = ask(), ask(), ask()
+        assert (first.store, second.store, third.store) == (True, True, False)  # it says so
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(third.id)
+        client.responses.delete(first.id)  # frees its place
+        kept, over = list(ask(stream=True)), list(ask(stream=True))
+        assert kept[-1].response.store is True and client.responses.retrieve(kept[-1].response.id)
+        assert over[0].response.store is True and over[-1].response.store is False  # asked for, then not kept
 
 
 def test_function_call_round_trip_passes_through(client):

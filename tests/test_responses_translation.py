@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.api.errors import InvalidRequest
 from gateway.responses.events import ResponseEvents
@@ -88,6 +89,48 @@ def test_function_tools_structured_output_and_logprobs_map_onto_chat_fields():
     assert (chat.logprobs, chat.top_logprobs, chat.stream_options.include_usage) == (True, 2, True)
 
 
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"user": "u" * 65}, "user"),
+    ({"safety_identifier": "s" * 65}, "safety_identifier"),
+    ({"prompt_cache_key": "k" * 65}, "prompt_cache_key"),
+    ({"service_tier": "x" * 1000}, "service_tier"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata"),
+    ({"metadata": {"k": "v" * 513}}, "metadata"),
+])
+def test_what_a_response_echoes_is_held_to_openais_limits(fields, param):
+    with pytest.raises(ValidationError) as caught:
+        request(**fields)
+    assert caught.value.errors()[0]["loc"][0] == param
+
+
+def test_openais_limits_themselves_are_accepted():
+    body = request(user="u" * 64, safety_identifier="s" * 64, prompt_cache_key="k" * 64, service_tier="flex",
+                   metadata={f"{i:064d}": "v" * 512 for i in range(16)})
+    assert ResponseDraft(body).render([], "completed", None)["service_tier"] == "flex"
+
+
+def test_store_false_reaches_the_chat_request_so_nothing_is_cached():
+    assert chat_request(request(store=False), [{"role": "user", "content": "Hi"}]).store is False
+    assert chat_request(request(), [{"role": "user", "content": "Hi"}]).store is None  # not forwarded upstream
+
+
+@pytest.mark.parametrize(("usage", "cached"), [
+    # token-level: input_tokens is the local count; the upstream's 94 cached are of its own prompts
+    ({"prompt_tokens": 34, "routing": {"mode": "token_level", "upstream_cached_tokens": 94}}, 0),
+    # passed through: input_tokens is the upstream's own count, and so is its cached share
+    ({"prompt_tokens": 34, "routing": {"mode": "passthrough", "upstream_cached_tokens": 20}}, 20),
+    ({"prompt_tokens": 34, "prompt_tokens_details": {"cached_tokens": 16}, "routing": {"mode": "token_level"}}, 16),
+    ({"prompt_tokens": 34, "prompt_tokens_details": {"cached_tokens": 50}}, 34),  # never more than the input
+])
+def test_cached_tokens_are_the_cached_share_of_input_tokens(usage, cached):
+    response = response_of(ResponseDraft(request()), chat_body({"content": "Hi"}) | {
+        "usage": {"completion_tokens": 3, **usage}})
+    assert response["usage"]["input_tokens_details"] == {"cached_tokens": cached}
+    assert response["usage"]["input_tokens"] == 34
+    assert response["usage"].get("routing") == usage.get("routing")  # upstream figures stay there
+
+
 def chat_body(message: dict, finish_reason: str = "stop") -> dict:
     usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10, "routing": {"mode": "token_level"}}
     return {"choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
@@ -140,3 +183,11 @@ def test_streamed_chunks_become_the_responses_event_sequence():
     assert final["output"][1]["arguments"] == "{}" and final["output"][1]["call_id"] == "call_1"
     assert final["usage"]["routing"] == {"mode": "token_level"}
     assert sequence[9]["item"]["arguments"] == ""  # the added item as it was then, not as it ended
+
+
+def test_a_schema_past_the_grammar_bounds_is_a_400_naming_text_format():
+    body = ResponsesRequest.model_validate({"model": "m", "input": "hi", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": {"type": "string", "maxLength": 100_000_000}}}})
+    with pytest.raises(InvalidRequest) as refused:
+        chat_request(body, input_messages(body.input))
+    assert refused.value.param == "text.format.schema.maxLength"

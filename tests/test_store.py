@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import subprocess
 import time
 import uuid
 from datetime import datetime, timezone
 
 import pytest
+import redis
 
 from adapters.cache_isolation import TenantSlots
 from adapters.redis_store import RedisStore
@@ -18,11 +20,14 @@ from adapters.store import (
     MemoryStore,
     RateLimits,
     Reservation,
+    ResponseQuota,
     Store,
+    StoreFull,
     StoreUnavailable,
     new_reservation,
 )
 from adapters.upstream_errors import UpstreamUnavailable
+from tests.conftest import _wait_redis, free_port, stop
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc).timestamp()
 NEXT_DAY = datetime(2026, 12, 1, 0, 0, 1, tzinfo=timezone.utc).timestamp()
@@ -142,6 +147,67 @@ async def test_stored_responses_expire(store):
     assert await store.response_get("alice", "resp_2") == "{}"
     await asyncio.sleep(1.1)
     assert await store.response_get("alice", "resp_2") is None
+
+
+async def test_stored_responses_stop_at_the_tenants_quota(store):
+    two = ResponseQuota(count=2, bytes=1000)
+    await store.response_put("alice", "resp_1", "{}", ttl_s=60, quota=two)
+    await store.response_put("alice", "resp_2", "{}", ttl_s=60, quota=two)
+    with pytest.raises(StoreFull):
+        await store.response_put("alice", "resp_3", "{}", ttl_s=60, quota=two)
+    assert await store.response_get("alice", "resp_3") is None  # nothing written
+    await store.response_put("bob", "resp_3", "{}", ttl_s=60, quota=two)  # another tenant's quota is its own
+    assert await store.response_delete("alice", "resp_1") is True  # a deleted one frees its share
+    await store.response_put("alice", "resp_3", "{}", ttl_s=60, quota=two)
+    small = ResponseQuota(count=100, bytes=10)
+    await store.response_put("carol", "resp_4", '"\u00e9"' + "x" * 4, ttl_s=1, quota=small)  # 8 bytes (é: 2)
+    with pytest.raises(StoreFull):
+        await store.response_put("carol", "resp_5", "xxx", ttl_s=60, quota=small)
+    await asyncio.sleep(1.1)  # an expired one frees its share too
+    await store.response_put("carol", "resp_5", "x" * 10, ttl_s=60, quota=small)
+
+
+async def test_a_near_full_store_keeps_no_text_but_still_meters(near_full):
+    """The store-wide guard: past it no stored response or cached continuation is written, while
+    reservations, settlements and rate limits go on as before (they must always have room)."""
+    with pytest.raises(StoreFull):
+        await near_full.cache_put("k", "0 Paris")
+    with pytest.raises(StoreFull):
+        await near_full.response_put("alice", "resp_1", "{}", ttl_s=60)
+    assert await near_full.cache_get("k") is None and await near_full.response_get("alice", "resp_1") is None
+    held = await reserve(near_full, "t", 10, 0.0, Limits(day_tokens=100), NOW)
+    assert held is not None
+    await near_full.settle(held, Billed(5, 5, 0.0), NOW)
+    assert await near_full.admit("t", "a", RateLimits(requests_per_minute=5), 10, NOW) is None
+    assert (await near_full.headroom("t", Limits(day_tokens=100), NOW)).tokens == 90
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def near_full(request):
+    """A store past its guard: the in-process one at its byte cap, a Redis (a server of its own,
+    `noeviction`) filled past 80% of its maxmemory."""
+    if request.param == "memory":
+        store = MemoryStore(max_bytes=64)
+        await store.cache_put("filler", "x" * 64)
+        yield store
+        return
+    port = free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--maxmemory", "16mb", "--maxmemory-policy", "noeviction"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_redis(port)
+        url = f"redis://127.0.0.1:{port}/0"
+        store = RedisStore(url, "test", timeout_s=1.0, reservation_ttl_s=30, cache_ttl_s=60)
+        await store.cache_put("k0", "written while there is room")
+        filler = redis.Redis.from_url(url)
+        while filler.info("memory")["used_memory"] < 0.85 * 16 * 2**20:  # past 80%, short of 100%
+            filler.set(f"filler:{uuid.uuid4().hex}", "x" * 500_000)
+        await asyncio.sleep(1.1)  # the store reads INFO memory again after a second
+        yield store
+        await store.close()
+    finally:
+        stop(server)
 
 
 async def test_settling_twice_bills_once(store):

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from adapters.store import ResponseQuota
 from gateway import observability
 from gateway.admission.chat import admit
 from gateway.admission.tenants import Tenant
@@ -37,7 +38,9 @@ router = APIRouter()
 
 
 def stored_responses(runtime: Runtime) -> StoredResponses:
-    return StoredResponses(runtime.ledger.store, runtime.settings.store.responses_ttl_s)
+    settings = runtime.settings.store
+    quota = ResponseQuota(settings.responses_max_per_tenant, settings.responses_max_bytes_per_tenant)
+    return StoredResponses(runtime.ledger.store, settings.responses_ttl_s, quota)
 
 
 @router.post("/v1/responses")
@@ -75,6 +78,7 @@ async def delete_response(response_id: str, request: Request):
 
 
 async def _keep(runtime: Runtime, tenant: Tenant, response: dict[str, Any], turns: list[dict[str, Any]]) -> None:
+    """Store `response` if it asks to be; one that could not be kept says `store: false`."""
     if response["store"]:
         await stored_responses(runtime).put(tenant.id, response, turns + conversation_messages(response["output"]))
 

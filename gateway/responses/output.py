@@ -51,19 +51,32 @@ class ResponseDraft:
 
 
 def usage_of(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Responses usage of chat usage, keeping the gateway's `routing` block."""
+    """Responses usage of chat usage, keeping the gateway's `routing` block. The fields keep
+    OpenAI's meaning: `input_tokens_details.cached_tokens` is the cached share of `input_tokens`
+    (never more), so that input - cached is what was read anew; upstream figures beside a local
+    count stay in `usage.routing`."""
     if not chat_usage:
         return None
-    cached = ((chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-              or (chat_usage.get("routing") or {}).get("upstream_cached_tokens") or 0)
     usage = {
-        "input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": min(_cached_share(chat_usage), chat_usage["prompt_tokens"])},
         "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": chat_usage["prompt_tokens"] + chat_usage["completion_tokens"],
     }
     if "routing" in chat_usage:
         usage["routing"] = chat_usage["routing"]
     return usage
+
+
+def _cached_share(chat_usage: dict[str, Any]) -> int:
+    """Cached tokens of the count `prompt_tokens` is: as its details give them, or, passed through
+    (where it is the upstream's own count), the upstream's; on the token-level path it is the local
+    model's count, whose prefix cache reports no share, and the upstream's prompts are other counts."""
+    details = chat_usage.get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        return details["cached_tokens"]
+    routing = chat_usage.get("routing") or {}
+    return (routing.get("upstream_cached_tokens") or 0) if routing.get("mode") == "passthrough" else 0
 
 
 def message_item(text: str, status: str, logprobs: list[dict[str, Any]] | None = None,

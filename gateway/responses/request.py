@@ -9,14 +9,19 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.api.errors import InvalidRequest, param_of, quoted
-from gateway.api.schemas import ChatCompletionRequest, Open, Wire
+from gateway.api.schemas import ChatCompletionRequest, Open, Wire, check_schema_bounds
 from gateway.settings import RoutingOverride
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+# OpenAI's limits on what a Response echoes and the store keeps: identifiers up to 64 characters;
+# metadata at most 16 pairs, keys up to 64 characters, values up to 512.
+IDENTIFIER_CHARS = 64
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
 
 
 class TextFormat(Open):
@@ -39,7 +44,8 @@ class ResponsesStreamOptions(Open):
 
 class ResponsesRequest(Wire):
     """POST /v1/responses. Annotations (`user`, `metadata`, `service_tier`, ...) are forwarded when
-    the request passes through to the upstream, as chat completions does."""
+    the request passes through to the upstream, as chat completions does. Those a Response echoes
+    (and the store keeps) are held to OpenAI's limits: longer is a 400 naming the field."""
 
     model: str
     input: str | list[dict[str, Any]] | None = Field(None, description="Text, or input items (messages, function "
@@ -60,12 +66,12 @@ class ResponsesRequest(Wire):
     stream_options: ResponsesStreamOptions | None = None
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
-    user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    user: str | None = Field(None, max_length=IDENTIFIER_CHARS)
+    safety_identifier: str | None = Field(None, max_length=IDENTIFIER_CHARS)
+    prompt_cache_key: str | None = Field(None, max_length=IDENTIFIER_CHARS)
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    service_tier: str | None = None
+    service_tier: ServiceTier | None = None
     reasoning: dict[str, Any] | None = None  # no reasoning model here: accepted, without effect
     truncation: Literal["auto", "disabled"] | None = None  # nothing is dropped: too long is a 400 either way
     context_management: list[dict[str, Any]] | None = None
@@ -75,6 +81,19 @@ class ResponsesRequest(Wire):
     prompt: dict[str, Any] | None = None
     background: bool | None = None
     routing: RoutingOverride | None = None  # the gateway's extension, as in chat completions
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_within_limits(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        if not metadata:
+            return metadata
+        if len(metadata) > METADATA_PAIRS:
+            raise ValueError(f"metadata holds at most {METADATA_PAIRS} key-value pairs, not {len(metadata)}")
+        if max(map(len, metadata)) > METADATA_KEY_CHARS:
+            raise ValueError(f"metadata keys are at most {METADATA_KEY_CHARS} characters long")
+        if max(map(len, metadata.values())) > METADATA_VALUE_CHARS:
+            raise ValueError(f"metadata values are at most {METADATA_VALUE_CHARS} characters long")
+        return metadata
 
     @model_validator(mode="after")
     def _null_means_default(self) -> "ResponsesRequest":
@@ -114,6 +133,8 @@ def chat_request(body: ResponsesRequest, turns: list[dict[str, Any]]) -> ChatCom
         chat.update(logprobs=True, top_logprobs=body.top_logprobs or None)
     if body.stream:
         chat["stream_options"] = {"include_usage": True}  # the completed event carries usage
+    if not body.store:
+        chat["store"] = False  # nothing of the request is kept: the continuation cache included
     for name in ("metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
                  "prompt_cache_options", "service_tier"):
         chat[name] = getattr(body, name)
@@ -219,6 +240,7 @@ def _response_format(text: TextOptions | None) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if not fmt.name or fmt.schema_ is None:
         raise InvalidRequest("text.format of type json_schema needs name and schema", param="text.format")
+    check_schema_bounds(fmt.schema_, "text.format.schema")
     schema = {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict, "description": fmt.description}
     return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
 

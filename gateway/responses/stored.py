@@ -1,5 +1,7 @@
 """Stored responses (`store: true`): each tenant's Responses with the conversation they close, in
-the gateway's store (Redis across replicas) for `store.responses_ttl_s`. A tenant reads only its own."""
+the gateway's store (Redis across replicas) for `store.responses_ttl_s`. A tenant reads only its own,
+and keeps at most `store.responses_max_per_tenant` of them, `store.responses_max_bytes_per_tenant`
+bytes in all."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from adapters.store import Store, StoreUnavailable
+from adapters.store import ResponseQuota, Store, StoreUnavailable
 from gateway.api.errors import GatewayError, quoted
 
 log = logging.getLogger("gateway.responses")
@@ -26,15 +28,22 @@ class StoreDown(GatewayError):
 class StoredResponses:
     store: Store
     ttl_s: float
+    quota: ResponseQuota | None = None
 
     async def put(self, tenant: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
-        """Keep `response` and its conversation (chat messages, instructions excluded); False, and
-        the answer still goes out, when the store is down."""
+        """Keep `response` and its conversation (chat messages, instructions excluded). When it
+        cannot be kept (the tenant is at its quota, the store is near full or down) the answer
+        still goes out, saying `store: false` (`response` is changed so), and False is returned.
+
+        Answering unstored rather than refusing: `store` defaults to true, so clients that never
+        continue a stored response (most of them) keep working at the quota; a client that does
+        sees `store: false` on the response it would continue."""
         value = json.dumps({"response": response, "conversation": conversation}, ensure_ascii=False)
         try:
-            await self.store.response_put(tenant, response["id"], value, self.ttl_s)
+            await self.store.response_put(tenant, response["id"], value, self.ttl_s, self.quota)
         except StoreUnavailable as exc:
             log.warning("response %s not stored: %s", response["id"], exc)
+            response["store"] = False
             return False
         return True
 
