@@ -28,25 +28,27 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from adapters.store import SlotLease, Store, StoreSkipped, StoreUnavailable
-from adapters.upstream_errors import UpstreamUnavailable
+from adapters.upstream_errors import UpstreamBusy, UpstreamUnavailable
 from adapters.upstream_server import erase_slot, server_root
 
 
 class Isolation(Protocol):
     """How one upstream keeps scopes apart. `reveals_cache`: may cached counts, compute times and
     the cached price reach the client? `lease` yields the body fields of one call in `scope`
-    (`key` names the request, whose consecutive calls should reach the same cached sequence)."""
+    (`key` names the request, whose consecutive calls should reach the same cached sequence; `long`:
+    the call is a whole answer, holding its slot far longer than a hand-off)."""
 
     reveals_cache: bool
 
-    def lease(self, scope: str, key: str) -> contextlib.AbstractAsyncContextManager[dict[str, Any]]: ...
+    def lease(self, scope: str, key: str,
+              long: bool = False) -> contextlib.AbstractAsyncContextManager[dict[str, Any]]: ...
 
 
 class Shared:
     reveals_cache = True
 
     @contextlib.asynccontextmanager
-    async def lease(self, scope: str, key: str) -> AsyncIterator[dict[str, Any]]:
+    async def lease(self, scope: str, key: str, long: bool = False) -> AsyncIterator[dict[str, Any]]:
         yield {}
 
 
@@ -56,7 +58,7 @@ class Hidden(Shared):
 
 class CacheSalt(Shared):
     @contextlib.asynccontextmanager
-    async def lease(self, scope: str, key: str) -> AsyncIterator[dict[str, Any]]:
+    async def lease(self, scope: str, key: str, long: bool = False) -> AsyncIterator[dict[str, Any]]:
         yield {"cache_salt": hashlib.sha256(scope.encode("utf-8")).hexdigest()}
 
 
@@ -64,7 +66,9 @@ class TenantSlots:
     """llama-server's `count` slots, each held by one call at a time and holding one scope's
     prompts. They are handed out through the Store (`slot_lease`), so every gateway process that
     shares it (replicas on one Redis) agrees on which scope each slot holds; with the in-process
-    store they are this process's alone."""
+    store they are this process's alone. Whole answers streamed through (`long` leases) never take
+    the last free slot and one scope holds only its share of them (`store.long_lease_limits`), so
+    that no tenant's streams keep the others' hand-offs waiting."""
 
     reveals_cache = True
     POLL_S = 0.05  # how often a call waiting for a slot asks again (another replica may free one)
@@ -86,8 +90,8 @@ class TenantSlots:
         return cls(count, lambda slot: erase_slot(root, slot, timeout_s), store, server, hold_s, timeout_s)
 
     @contextlib.asynccontextmanager
-    async def lease(self, scope: str, key: str) -> AsyncIterator[dict[str, Any]]:
-        held = await self._hold(scope, key)
+    async def lease(self, scope: str, key: str, long: bool = False) -> AsyncIterator[dict[str, Any]]:
+        held = await self._hold(scope, key, long)
         erased = not held.erase
         try:
             if held.erase:
@@ -97,14 +101,14 @@ class TenantSlots:
         finally:
             await asyncio.shield(self._free(held, erased))
 
-    async def _hold(self, scope: str, key: str) -> SlotLease:
-        """A slot for this call, waiting (up to `wait_s`) while every slot is held."""
+    async def _hold(self, scope: str, key: str, long: bool) -> SlotLease:
+        """A slot for this call, waiting (up to `wait_s`) while none may be had; then UpstreamBusy."""
         deadline = time.monotonic() + self._wait_s
         while True:
             lease = uuid.uuid4().hex
             try:
                 await self._release_missed()
-                held = await self._store.slot_lease(self._server, self._count, scope, key, self._hold_s, lease)
+                held = await self._store.slot_lease(self._server, self._count, scope, key, self._hold_s, lease, long)
             except StoreUnavailable as exc:  # no one can say whose prompts a slot holds
                 if not isinstance(exc, StoreSkipped):  # Redis may have granted it and lost the reply:
                     self._unreleased.append((SlotLease(-1, True, lease), False))  # its next holder erases
@@ -115,7 +119,7 @@ class TenantSlots:
             if held is not None:
                 return held
             if time.monotonic() > deadline:
-                raise UpstreamUnavailable(f"all {self._count} slots of the upstream stayed busy")
+                raise UpstreamBusy(f"no slot of the upstream's {self._count} came free within {self._wait_s:g} s")
             async with self._freed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._freed.wait(), self.POLL_S)

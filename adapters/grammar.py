@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,15 +26,78 @@ LOOSE_CHAR = r'char ::= [^"\\] |'
 JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
 
+# The converter writes a repetition of n (`maxLength`, `maxItems`, a pattern's `{m,n}`) as n nested
+# optional groups, and llama.cpp's grammar parser recurses once per level: at 20,000 it overflows the
+# stack and kills the process, and `minLength` 1e8 builds a 100 MB grammar before anything parses it.
+# So every keyword that sizes the grammar is bounded before the converter sees the schema.
+MAX_REPEAT = 1_000  # the most one keyword may ask for
+MAX_REPEATS_TOTAL = 10_000  # the most all of a schema's repetitions together may ask for
+MAX_SCHEMA_NODES = 5_000  # objects and lists in the schema (OpenAI allows 5,000 properties)
+REPEAT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
 
 class GrammarUnsupported(Exception):
     """The response format cannot be written as a grammar; the message says why."""
+
+
+class SchemaRefused(GrammarUnsupported):
+    """A JSON schema no one should try to follow: too large a grammar, or a reference outside it.
+    `path` names the offending keyword inside the schema (dotted, as OpenAI's `param`)."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def check_schema(schema: Any) -> None:
+    """Raise SchemaRefused unless every keyword that sizes a grammar is within bounds: each
+    repetition (length, items, properties, a pattern's quantifier) at most MAX_REPEAT, all of them
+    together at most MAX_REPEATS_TOTAL, at most MAX_SCHEMA_NODES objects and lists, and `$ref`s
+    only local (`#...`). Iterative: the schema's nesting is bounded by the body's depth limit."""
+    total, nodes = 0, 0
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, where = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            raise SchemaRefused(f"the schema holds more than {MAX_SCHEMA_NODES} objects and lists", where)
+        if isinstance(node, list):
+            children = [(child, f"{where}[{i}]") for i, child in enumerate(node)]
+        else:
+            children = [(child, f"{where}.{key}" if where else key) for key, child in node.items()]
+            for (child, path), key in zip(children, node):
+                total += _repeats(key, child, path)
+                if total > MAX_REPEATS_TOTAL:
+                    raise SchemaRefused(f"the schema's lengths and counts add up to more than {MAX_REPEATS_TOTAL}", path)
+        stack.extend(reversed(children))  # visited in the document's order: the error names the first past a bound
+
+
+def _repeats(key: str, value: Any, path: str) -> int:
+    """How many copies `key: value` asks the grammar for (0 for keywords that ask none)."""
+    if key == "$ref":
+        if not isinstance(value, str) or not value.startswith("#"):
+            raise SchemaRefused("only local references ('#/...') are followed", path)
+        return 0
+    if key in REPEAT_KEYWORDS and isinstance(value, (int, float)) and not isinstance(value, bool):
+        counts = [value]
+    elif key == "pattern" and isinstance(value, str):
+        counts = [int(n) for pair in QUANTIFIER.findall(value) for n in pair if n]
+    else:
+        return 0
+    for count in counts:
+        if count > MAX_REPEAT:
+            raise SchemaRefused(f"'{key}' asks for {count:g} repetitions; at most {MAX_REPEAT} are served", path)
+    return int(sum(counts))
 
 
 def gbnf_for(kind: str, schema: dict[str, Any] | None = None) -> str:
     """The grammar of `json_object` (any JSON object) or of `json_schema` with `schema`."""
     if kind == "json_object":
         return llama_grammar.JSON_GBNF
+    check_schema(schema)
     try:
         gbnf = llama_grammar.json_schema_to_gbnf(json.dumps(schema or {}))
     except Exception as exc:  # noqa: BLE001 - the converter raises bare errors of several kinds
@@ -52,6 +116,14 @@ class Grammar:
         self._all = np.zeros(n_vocab, dtype=TOKEN_DATA)
         self._all["id"] = np.arange(n_vocab)
         self._one = np.zeros(1, dtype=TOKEN_DATA)
+
+    def clone(self) -> "Grammar":
+        """A grammar in the same state, for another answer (cheaper than parsing the GBNF again)."""
+        twin = object.__new__(Grammar)
+        twin._sampler = llama_cpp.llama_sampler_clone(self._sampler)
+        twin._tokens = list(self._tokens)
+        twin._all, twin._one = self._all.copy(), self._one.copy()
+        return twin
 
     def close(self) -> None:
         if getattr(self, "_sampler", None):

@@ -1,6 +1,7 @@
 """The local llama.cpp model: its vocabulary and chat template, and the batched engine that decodes.
 
-Tokenizing and detokenizing read only the vocabulary and are safe on the event loop. Decoding goes
+Tokenizing and detokenizing read only the vocabulary and are safe on any thread (a long prompt
+takes a second: tokenize it off the event loop). Decoding goes
 through the engine (adapters/engine.py): each request takes a sequence of its own with
 `sequence(prompt)`, and `Sequence.forward(tokens)` makes that sequence hold exactly `tokens` and
 returns the next-token logits, re-using the longest common prefix already in the KV cache; that
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from pathlib import Path
 
 import llama_cpp
@@ -22,6 +24,7 @@ from adapters.grammar import Grammar
 from adapters.vocabulary import tokenize_parts
 
 __all__ = ["ContextOverflow", "LocalModel", "LocalModelError", "QueueFull", "system_info"]
+GRAMMARS_KEPT = 8  # parsed grammars kept for cloning (each holds a vocabulary-sized array)
 
 
 class LocalModelError(Exception):
@@ -49,6 +52,8 @@ class LocalModel:
         eos = llama_cpp.llama_vocab_eos(vocab)
         self.end_token = eos if eos in self._eog else min(self._eog)  # one end-of-generation token
         self._vocab = vocab
+        self._grammars: dict[str, Grammar] = {}  # parsed once, cloned per answer; most recent last
+        self._grammars_lock = threading.Lock()
 
     @classmethod
     async def load(cls, path: Path, n_ctx: int, n_threads: int, n_batch: int, queue_limit: int,
@@ -112,8 +117,15 @@ class LocalModel:
         return piece
 
     def grammar(self, gbnf: str) -> Grammar:
-        """A fresh parse state of `gbnf` over this model's vocabulary (raises GrammarUnsupported)."""
-        return Grammar(self._vocab, self.n_vocab, gbnf)
+        """A fresh parse state of `gbnf` over this model's vocabulary (raises GrammarUnsupported).
+        The last GRAMMARS_KEPT grammars are parsed once and cloned after that, so a request's `n`
+        choices and repeated schemas parse once. Blocking: call it off the event loop."""
+        with self._grammars_lock:
+            parsed = self._grammars.pop(gbnf, None) or Grammar(self._vocab, self.n_vocab, gbnf)
+            self._grammars[gbnf] = parsed
+            if len(self._grammars) > GRAMMARS_KEPT:
+                self._grammars.pop(next(iter(self._grammars))).close()
+            return parsed.clone()
 
     def is_end_of_generation(self, token: int) -> bool:
         return token in self._eog

@@ -19,6 +19,13 @@ class UpstreamRejected(UpstreamUnavailable):
     reason = "upstream_rejected"
 
 
+class UpstreamBusy(UpstreamUnavailable):
+    """No slot of the upstream came free in time: it is busy, not failing (the breaker is untouched),
+    and a request that met this asks it nothing more."""
+
+    reason = "upstream_busy"
+
+
 def status_of(exc: BaseException) -> int | None:
     status = getattr(exc, "status_code", None)
     if status is None and isinstance(exc, httpx.HTTPStatusError):

@@ -107,7 +107,7 @@ class WholeRequests:
         extra_body = {"metadata": params.pop("metadata")} if "metadata" in params else {}
         lease = contextlib.AsyncExitStack()
         try:
-            extra_body.update(await lease.enter_async_context(self._isolation.lease(scope, uuid.uuid4().hex)))
+            extra_body.update(await lease.enter_async_context(self._isolation.lease(scope, uuid.uuid4().hex, long=True)))
             # allowed_openai_params: litellm would refuse fields it does not map for this provider
             # (verbosity, prompt_cache_key, ...); the client sent them for the upstream to judge.
             response = await litellm().acompletion(

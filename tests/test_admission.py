@@ -16,7 +16,8 @@ from tests.conftest import DEMO_KEY, gateway_config, live_gateway
 pytestmark = pytest.mark.integration
 
 QUESTION = [{"role": "user", "content": "Tell me a long story about a dragon."}]
-KEYS = {"TEST_TPM_KEY": "sk-tpm", "TEST_NARROW_KEY": "sk-narrow", "TEST_SOLO_KEY": "sk-solo"}
+KEYS = {"TEST_TPM_KEY": "sk-tpm", "TEST_NARROW_KEY": "sk-narrow", "TEST_SOLO_KEY": "sk-solo",
+        "TEST_RPM_KEY": "sk-rpm"}
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def gateway(smol_upstream, tmp_path_factory):
         {"id": "narrow", "api_key_env": "TEST_NARROW_KEY", "aliases": ["local"],
          "routing": {"policy": "always", "max_upstream_share": 0.5}},
         {"id": "solo", "api_key_env": "TEST_SOLO_KEY", "rate_limits": {"max_parallel": 1}},
+        {"id": "rpm", "api_key_env": "TEST_RPM_KEY", "rate_limits": {"requests_per_minute": 3}},
     ]
     with live_gateway(config, tmp_path_factory.mktemp("admission"), env=KEYS) as running:
         yield running
@@ -139,3 +141,45 @@ def test_a_stream_whose_client_leaves_before_the_first_event_frees_its_slot(gate
         sock.sendall(head + body)  # and hang up without reading a byte
     retry = solo_admitted_within(gateway, 2.0)
     assert retry.status_code == 200, retry.text
+
+
+def wait_for_a_fresh_minute(margin_s: float = 15.0) -> None:
+    """Start a run of per-minute requests no later than `margin_s` before the minute turns."""
+    if time.time() % 60 > 60 - margin_s:
+        time.sleep(60.5 - time.time() % 60)
+
+
+def test_a_prompt_past_the_context_counts_against_the_rate_limit_before_it_is_tokenized(gateway):
+    """Security round three: prompts too long for the context were tokenized and refused before the
+    rate limiter, so they never counted. Now the limiter comes first: the fourth such request in a
+    minute is a 429, and nothing of it is tokenized."""
+    huge = [{"role": "user", "content": "word " * 20_000}]  # far past the 2,048-token context
+    wait_for_a_fresh_minute()
+    statuses = []
+    for _ in range(4):
+        try:
+            client(gateway, "sk-rpm").chat.completions.create(model="local", messages=huge, max_tokens=1)
+            statuses.append(200)
+        except openai.APIStatusError as exc:
+            statuses.append(exc.status_code)
+    assert statuses == [400, 400, 400, 429]
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(gateway):
+    """A 900 kB prompt takes about a second to tokenize: a health probe sent meanwhile is answered
+    before that request's own answer (a 400: it is past the context), not after it."""
+    huge = {"model": "local", "max_tokens": 1, "messages": [{"role": "user", "content": "lorem ipsum " * 75_000}]}
+    finished: list[str] = []
+
+    def big() -> None:
+        httpx.post(f"{gateway.base_url}/v1/chat/completions", json=huge, timeout=60,
+                   headers={"Authorization": f"Bearer {DEMO_KEY}"})
+        finished.append("big")
+
+    worker = threading.Thread(target=big)
+    worker.start()
+    time.sleep(0.3)  # the body is sent and being tokenized
+    assert httpx.get(f"{gateway.base_url}/health/live", timeout=30).status_code == 200
+    finished.append("health")
+    worker.join(60)
+    assert finished == ["health", "big"]

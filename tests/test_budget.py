@@ -178,7 +178,7 @@ async def test_a_request_that_ends_mid_admission_gives_its_parallel_slot_back():
     ledger = Ledger(store, clock=lambda: NOW)
     tenant = Tenant("t", TenantSettings(id="t", api_key_env="T_KEY", rate_limits=RateLimitSettings(max_parallel=1)))
     gate = HandoffGate(ledger, "t", Limits(day_tokens=100), allowed=True)
-    admitting = asyncio.ensure_future(admit_rates(SimpleNamespace(ledger=ledger), tenant, gate, "r1", 10))
+    admitting = asyncio.ensure_future(admit_rates(SimpleNamespace(ledger=ledger), tenant, gate, "r1"))
     await asyncio.sleep(0.01)
     assert await store.admit("t", "r2", one, 0, NOW) is not None  # r1 holds the one slot
     admitting.cancel()

@@ -388,10 +388,11 @@ async def test_budget_refusal_finishes_locally_without_overspending():
     invariant(decoding)
 
 
-async def test_cancelled_request_releases_its_reservation():
-
+async def test_cancelled_request_bills_the_call_in_flight():
+    """A client that leaves mid-hand-off does not make the call free: the upstream writes and bills
+    it all the same, so it runs to its end and the ledger is settled from what it reported."""
     local = FakeLocalModel(VOCAB, "")
-    upstream = FakeUpstream("Paris", delay_s=5.0)
+    upstream = FakeUpstream("Paris", delay_s=0.5)
     store = MemoryStore()
     decoding, _ = make(local, upstream, limits=Limits(day_tokens=1000), store=store)
     task = asyncio.create_task(run(decoding))
@@ -400,7 +401,27 @@ async def test_cancelled_request_releases_its_reservation():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert (await store.usage("t", time.time()))[0].upstream_completion_tokens == 0  # still in flight
+    await asyncio.sleep(0.6)
+    spent = (await store.usage("t", time.time()))[0]
+    assert spent.upstream_prompt_tokens > 0 and spent.upstream_completion_tokens > 0
+    billed = spent.upstream_prompt_tokens + spent.upstream_completion_tokens
+    assert (await store.headroom("t", Limits(day_tokens=1000), time.time())).tokens == 1000 - billed
+
+
+async def test_cancelled_request_releases_a_failed_call():
+    local = FakeLocalModel(VOCAB, "")
+    upstream = FakeUpstream("Paris", delay_s=0.3, fail=True)
+    store = MemoryStore()
+    decoding, _ = make(local, upstream, limits=Limits(day_tokens=1000), store=store)
+    task = asyncio.create_task(run(decoding))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.4)
     assert (await store.headroom("t", Limits(day_tokens=1000), time.time())).tokens == 1000
+    assert (await store.usage("t", time.time()))[0].upstream_prompt_tokens == 0
 
 
 async def test_stop_string_across_a_hand_off_is_cut_and_never_shown():

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from adapters.store import (
     Billed,
@@ -41,6 +42,7 @@ class Ledger:
         self._unsettled: list[tuple[Reservation, Billed, float]] = []
         self._unreleased: list[Callable[[], Awaitable[None]]] = []  # store calls that give a hold back
         self._flushing = asyncio.Lock()  # two flushes at once would write one entry twice and drop the next
+        self._finishing: set[asyncio.Task] = set()  # calls whose request ended before them (see finish_in_background)
 
     @property
     def unsettled(self) -> int:
@@ -58,6 +60,12 @@ class Ledger:
         except StoreUnavailable:
             log.warning("ledger unreachable; settlement of tenant %s queued", reservation.tenant)
             self._unsettled.append((reservation, billed, now))
+
+    def run_in_background(self, work: Awaitable[None]) -> None:
+        """Run `work` to its end in a task the ledger keeps (the event loop holds tasks only weakly)."""
+        task = asyncio.ensure_future(work)
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
 
     async def release_slot(self, tenant: str, request_id: str) -> None:
         """Give back a request's parallel slot, now or once the store answers again: a slot left
@@ -112,6 +120,7 @@ class HandoffGate:
     headroom: Headroom | None = None  # as read at admission; None when unknown or unlimited
     refusal: str = "budget_exhausted"
     cache_scope: str = ""  # continuation-cache namespace: the tenant's own unless it shares one
+    cache_writes: bool = True  # False: the request leaves nothing behind (store: false)
 
     def tokens_left(self) -> int | None:
         return None if self.headroom is None else self.headroom.tokens
@@ -154,6 +163,21 @@ class HandoffGate:
     async def release(self, reservation: Reservation) -> None:
         await self.ledger.release(reservation)
 
+    def finish_in_background(self, reservation: Reservation, call: asyncio.Future,
+                             settle: Callable[[Any], Awaitable[None]]) -> None:
+        """The request ended (its client left) with `call` in flight. The upstream bills the call all
+        the same, so it runs to its end in the background and `settle(result)` bills what it
+        reports; a call that fails gives `reservation` back."""
+        async def finish() -> None:
+            try:
+                result = await call
+            except BaseException:  # noqa: BLE001 - failed, refused or cancelled at shutdown: nothing billed
+                await self.release(reservation)
+                return
+            await settle(result)
+
+        self.ledger.run_in_background(finish())
+
     async def cache_get(self, key: str) -> str | None:
         try:
             return await self.ledger.store.cache_get(key) if self.ledger else None
@@ -162,7 +186,7 @@ class HandoffGate:
 
     async def cache_put(self, key: str, value: str) -> None:
         try:
-            if self.ledger:
+            if self.ledger and self.cache_writes:
                 await self.ledger.store.cache_put(key, value)
         except StoreUnavailable:
             pass

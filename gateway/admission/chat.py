@@ -3,6 +3,7 @@ path (one Decoding per choice), or handed to pass-through when only the upstream
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -15,7 +16,7 @@ from adapters.grammar import GrammarUnsupported, gbnf_for
 from adapters.local_model import QueueFull
 from gateway.admission import passthrough
 from gateway.admission.budget import HandoffGate
-from gateway.admission.limits import admit_rates, release
+from gateway.admission.limits import admit_rates, admit_tokens, release
 from gateway.admission.passthrough import Blocker, Passing
 from gateway.admission.routing import policy_of, resolve_routing
 from gateway.admission.tenants import Tenant
@@ -72,18 +73,27 @@ def wire_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
 async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -> Admitted | Passing:
     """Refuse now (never mid-stream) whatever this request cannot get; else start it, on the
     token-level path or, when the local model cannot serve it, passed through whole."""
-    body.check()
+    body.check()  # first: a schema sized to crash a grammar parser goes nowhere, not even upstream
     alias = alias_for(runtime, tenant, body.model)
     blocker = passthrough.blocker_of(body, runtime.settings.server.max_tokens_limit)
     grammar = None
     if blocker is None:
         try:
-            grammar = grammar_of(body)
+            grammar = await asyncio.to_thread(parsed_grammar, alias, body)
         except GrammarUnsupported as exc:
             blocker = Blocker("response_format", f"{exc}, and only the upstream model can follow it")
     if blocker is not None:
         return await passthrough.admit(runtime, tenant, alias, body, blocker)
     return await start(runtime, tenant, alias, body, Prompts(messages=wire_messages(body)), grammar)
+
+
+def parsed_grammar(alias: Alias, body: ChatCompletionRequest) -> str | None:
+    """The request's grammar, parsed by the local model now (and kept: its choices clone it), so that
+    one it cannot parse is refused here rather than mid-decode. Blocking: run it off the event loop."""
+    gbnf = grammar_of(body)
+    if gbnf is not None:
+        alias.local.grammar(gbnf).close()
+    return gbnf
 
 
 def alias_for(runtime: Runtime, tenant: Tenant, model: str) -> Alias:
@@ -106,7 +116,9 @@ class Prompts:
 
 async def start(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatCompletionRequest | CompletionRequest,
                 prompts: Prompts, grammar: str | None = None) -> Admitted:
-    """Start `body` on the token-level path: `body.n` choices of each prompt, decoded together."""
+    """Start `body` on the token-level path: `body.n` choices of each prompt, decoded together.
+    Rate limits come first: nothing is tokenized for a request they refuse, and tokenizing (a large
+    prompt takes a second) runs off the event loop."""
     if any(int(token) >= alias.local.n_vocab for token in body.logit_bias or ()):
         raise InvalidRequest(f"logit_bias names a token id outside the local model's vocabulary of "
                              f"{alias.local.n_vocab}", param="logit_bias")
@@ -118,17 +130,26 @@ async def start(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
         raise Overloaded(f"the local model is busy ({exc}); retry shortly") from exc
     gate = HandoffGate(runtime.ledger, tenant.id, tenant.limits, allowed=tenant.settings.allow_upstream,
                        refusal="budget_exhausted" if tenant.settings.allow_upstream else "upstream_forbidden",
-                       cache_scope=tenant.cache_scope)
-    decodings = []
-    for text in prompts.texts:  # each prompt's choices share one cost ceiling (their prompt is billed once)
-        ceiling = CostCeiling(routing.max_cost_ratio, alias.upstream.prices, 0) if alias.upstream else None
-        decodings += [_decoding(alias, gate, body, prompts, text, routing, max_tokens, grammar, choice, ceiling)
-                      for choice in range(body.n)]
+                       cache_scope=tenant.cache_scope, cache_writes=getattr(body, "store", None) is not False)
     kind = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
     request_id = f"{kind}-{uuid.uuid4().hex}"
+    await admit_rates(runtime, tenant, gate, request_id)
+    try:
+        decodings = await asyncio.to_thread(
+            lambda: [_decoding(alias, gate, body, prompts, text, routing, max_tokens, grammar, choice, ceiling)
+                     for text, ceiling in _ceilings(alias, routing, prompts) for choice in range(body.n)])
+    except BaseException:
+        await asyncio.shield(release(runtime, tenant, request_id))
+        raise
     prompt_tokens = sum(len(d.prompt_tokens) for d in decodings[::body.n])
-    await admit_rates(runtime, tenant, gate, request_id, tokens=prompt_tokens + sum(d.limit for d in decodings))
+    await admit_tokens(runtime, tenant, request_id, prompt_tokens + sum(d.limit for d in decodings))
     return Admitted(request_id, int(time.time()), alias, tenant, body, decodings)
+
+
+def _ceilings(alias: Alias, routing: RoutingSettings, prompts: Prompts) -> list[tuple[str | None, CostCeiling | None]]:
+    """Each prompt with its cost ceiling, which its choices share (their prompt is billed once)."""
+    return [(text, CostCeiling(routing.max_cost_ratio, alias.upstream.prices, 0) if alias.upstream else None)
+            for text in prompts.texts]
 
 
 def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | CompletionRequest, prompts: Prompts,

@@ -21,9 +21,9 @@ from typing import Any
 
 from adapters.message_shapes import for_upstream
 from adapters.store import Billed, Reservation
-from adapters.upstream import Upstream, UpstreamRejected, UpstreamUnavailable
+from adapters.upstream import Upstream, UpstreamBusy, UpstreamRejected, UpstreamUnavailable
 from gateway.admission.budget import HandoffGate
-from gateway.admission.limits import admit_rates, release
+from gateway.admission.limits import admit_rates, admit_tokens, release
 from gateway.admission.tenants import Tenant
 from gateway.api.errors import GatewayError, InvalidRequest, Overloaded, QuotaExceeded, quoted
 from gateway.api.request_body import depth_of
@@ -160,22 +160,34 @@ class Passing:
         return f"mode=passthrough; reason={self.blocker.param}; calls=1"
 
     async def _call(self, stream: bool) -> Any:
+        params = self.params
+        if stream:
+            params = {**params, "stream": True, "stream_options": {"include_usage": True}}
+        call = asyncio.ensure_future(self.upstream.whole.chat(params, self.gate.cache_scope))
         try:
-            params = self.params
-            if stream:
-                params = {**params, "stream": True, "stream_options": {"include_usage": True}}
-            return await self.upstream.whole.chat(params, self.gate.cache_scope)
+            return await asyncio.shield(call)  # a client that leaves leaves the call running, to be billed
         except UpstreamRejected as exc:
             await asyncio.shield(self.gate.release(self.reservation))
             raise InvalidRequest(f"the upstream refused the request: {exc}", param=self.blocker.param) from exc
+        except UpstreamBusy as exc:
+            await asyncio.shield(self.gate.release(self.reservation))
+            raise Overloaded(f"the upstream model is busy ({exc}); retry shortly") from exc
         except UpstreamUnavailable as exc:
             await asyncio.shield(self.gate.release(self.reservation))
             error = GatewayError(f"the upstream model is unavailable ({exc}); retry shortly")
             error.status, error.code = 502, "upstream_unavailable"
             raise error from exc
         except BaseException:
-            await asyncio.shield(self.gate.release(self.reservation))
+            self.gate.finish_in_background(self.reservation, call, self._settle_unread)
             raise
+
+    async def _settle_unread(self, response: Any) -> None:
+        """Settle a call whose client left before reading it: a whole answer as it reports, a stream
+        (closed unread) for its prompt."""
+        if hasattr(response, "__aiter__"):
+            await self._end_stream(response, None, "")
+        else:
+            await self._settle(response, _answer_text(response.model_dump()))
 
     async def _settle(self, response: Any, text: str) -> None:
         """Bill what the upstream reported; without its usage (a stream cut short), the prompt as
@@ -227,19 +239,19 @@ async def admit(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
                          retry_after_s=upstream.settings.breaker_cooldown_s)
     max_tokens = body.requested_max_tokens or runtime.settings.server.max_tokens_limit
     params = upstream_params(body, upstream, max_tokens)
-    prompt = await upstream.whole.count_chat_tokens(params)
-    if prompt is None:
-        prompt = upstream.whole.estimate_chat_tokens(params["messages"], params.get("tools"))
     answers = max_tokens * body.n
     gate = HandoffGate(runtime.ledger, tenant.id, tenant.limits, allowed=True, cache_scope=tenant.cache_scope)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    await admit_rates(runtime, tenant, gate, request_id, prompt + answers)
+    await admit_rates(runtime, tenant, gate, request_id)  # before the prompt is counted
     reservation = None
     try:
+        prompt = await upstream.whole.count_chat_tokens(params) or await asyncio.to_thread(
+            upstream.whole.estimate_chat_tokens, params["messages"], params.get("tools"))
+        await admit_tokens(runtime, tenant, request_id, prompt + answers)
         if gate.allowed:
             reservation = await gate.reserve(prompt + answers, upstream.estimate_cost(prompt, answers),
                                              ttl_s=upstream.settings.passthrough_timeout_s + RESERVATION_MARGIN_S)
-    except asyncio.CancelledError:  # the request ended before its reservation: give the slot back
+    except BaseException:  # the request ended before its reservation: give the slot back
         await asyncio.shield(release(runtime, tenant, request_id))
         raise
     if reservation is None:
@@ -321,12 +333,24 @@ def check_tools(body: ChatCompletionRequest, tool_types: list[str], server: Serv
             if kind not in tool_types:
                 raise InvalidRequest(f"tools of type '{quoted(str(kind))}' are not served here (served: "
                                      f"{', '.join(tool_types)})", param=f"{name}[{i}].type")
+            if kind == "function":
+                _check_named(tool.get("function") if name == "tools" else tool, f"{name}[{i}]" + (
+                    ".function" if name == "tools" else ""))
             if depth_of(tool) > server.max_tool_schema_depth:
                 raise InvalidRequest(f"'{name}[{i}]' is nested deeper than {server.max_tool_schema_depth} levels",
                                      param=f"{name}[{i}]")
             if len(json.dumps(tool)) > server.max_tool_schema_bytes:
                 raise InvalidRequest(f"'{name}[{i}]' is larger than {server.max_tool_schema_bytes} bytes of JSON",
                                      param=f"{name}[{i}]")
+
+
+def _check_named(function: Any, where: str) -> None:
+    """A function definition must name its function: llama-server answers one without a name with a
+    500, which reads as an outage (a 502 to the client, and a failure against the breaker)."""
+    if not isinstance(function, dict):
+        raise InvalidRequest(f"'{where}' must be an object", param=where)
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise InvalidRequest(f"Missing required parameter: '{where}.name'.", param=f"{where}.name")
 
 
 def _refusal(alias: Alias, tenant: Tenant) -> str | None:

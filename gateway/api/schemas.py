@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from adapters.grammar import SchemaRefused, check_schema
 from gateway.api.errors import InvalidRequest, quoted
 from gateway.settings import RoutingOverride  # the `routing` extension: the same shape as a tenant's override
 
@@ -131,6 +132,16 @@ class JsonSchemaFormat(Open):
     strict: bool | None = None
 
 
+def check_schema_bounds(schema: Any, where: str) -> None:
+    """Refuse (400 naming the keyword under `where`) a JSON schema that would size a grammar past
+    adapters.grammar's bounds: checked before anything, local or upstream, compiles it."""
+    try:
+        check_schema(schema)
+    except SchemaRefused as exc:
+        param = ".".join(filter(None, (where, exc.path)))
+        raise InvalidRequest(f"'{param}': {exc}", param=param) from exc
+
+
 class ResponseFormat(Open):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -228,8 +239,11 @@ class ChatCompletionRequest(SamplingRequest):
         """Refuse what the schema alone cannot: inconsistent fields."""
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
-        if self.response_format and self.response_format.type == "json_schema" and not self.response_format.json_schema:
+        fmt = self.response_format
+        if fmt and fmt.type == "json_schema" and not fmt.json_schema:
             raise InvalidRequest("response_format of type json_schema needs json_schema", param="response_format")
+        if fmt and fmt.json_schema:
+            check_schema_bounds(fmt.json_schema.schema_, "response_format.json_schema.schema")
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise InvalidRequest("continue_final_message requires add_generation_prompt: false",

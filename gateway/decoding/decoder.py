@@ -51,7 +51,14 @@ from adapters.engine import Sequence, common_prefix
 from adapters.grammar import Grammar
 from adapters.local_model import LocalModel
 from adapters.store import Billed
-from adapters.upstream import Continuation, Continuations, Handoff, UpstreamRejected, UpstreamUnavailable
+from adapters.upstream import (
+    Continuation,
+    Continuations,
+    Handoff,
+    UpstreamBusy,
+    UpstreamRejected,
+    UpstreamUnavailable,
+)
 from gateway.admission.budget import HandoffGate
 from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.logit_rules import LogitRules
@@ -72,6 +79,12 @@ CONTINUATION_BYTES = frozenset(bytes([b]) for b in range(0x80, 0xC0))  # UTF-8 b
 GRAMMAR_SPAN = 16
 RESERVATION_MARGIN_S = 30.0  # a reservation outlives its call's worst case by this much
 log = logging.getLogger("gateway.decoding.decoder")
+
+
+def billed(continuation: Continuation) -> Billed:
+    """What the ledger is told a call billed."""
+    return Billed(continuation.prompt_tokens, continuation.completion_tokens, continuation.cost_usd,
+                  continuation.cached_tokens, continuation.compute_ms or 0.0)
 
 
 class Written(NamedTuple):
@@ -689,27 +702,24 @@ class Decoding:
             return None
         predicted = self.upstream.prices.predicted(estimate - span, span, self._reusable_tokens)
         sampling = self.request.sampling
+        call = asyncio.ensure_future(self.upstream.continue_text(
+            handoff, span, sampling.temperature, sampling.top_p, self.request.seed, self.request.rules.upstream_params()))
         try:
-            continuation = await self.upstream.continue_text(
-                handoff, span, sampling.temperature, sampling.top_p, self.request.seed,
-                self.request.rules.upstream_params(),
-            )
+            continuation = await asyncio.shield(call)  # a request that ends leaves the call running, to be billed
         except UpstreamUnavailable as exc:
             await asyncio.shield(self.gate.release(reservation))
             log.warning("hand-off decoded locally: %s", exc)
             self.usage.degrade(exc.reason)
-            if isinstance(exc, UpstreamRejected):  # it would refuse the longer prefix too
+            if isinstance(exc, (UpstreamRejected, UpstreamBusy)):  # the next call would fare no better
                 self._upstream_closed = True
             return None
         except BaseException:
-            await asyncio.shield(self.gate.release(reservation))
+            self.gate.finish_in_background(reservation, call, lambda done: self.gate.settle(reservation, billed(done)))
             raise
         self.usage.bill(continuation, warm)
         self.usage.predicted_cost_usd += predicted
         self._reusable_tokens = continuation.prompt_tokens  # the next call extends this prefix
-        await asyncio.shield(self.gate.settle(reservation, Billed(
-            continuation.prompt_tokens, continuation.completion_tokens, continuation.cost_usd,
-            continuation.cached_tokens, continuation.compute_ms or 0.0)))
+        await asyncio.shield(self.gate.settle(reservation, billed(continuation)))
         return continuation
 
     # -- helpers --
