@@ -87,7 +87,7 @@ class UpstreamSettings(Strict):
     slots: int | None = Field(None, ge=1, le=64, description="llama-server: its --parallel (a launched one: launch.parallel).")
     cache_isolation: Literal["tenant", "shared"] = Field(
         "tenant", description="tenant: no tenant can tell from an answer's fields or timing that another sent the same "
-        "prompt prefix (see README, Security); shared: one cache for all, with its counts reported as they are.")
+        "prompt prefix (see docs/security.md); shared: one cache for all, with its counts reported as they are.")
     tool_types: list[str] = Field(
         default_factory=lambda: ["function"], description="Tool types a request passed through may carry (OpenAI's "
         "`tools[].type`); others are a 400 rather than reaching litellm's own handlers.")

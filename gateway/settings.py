@@ -78,7 +78,7 @@ THRESHOLD_FROM_HELP = (
 
 
 class RoutingSettings(Strict):
-    policy: PolicyName = Field("entropy", description="Routing policy (see README, 'Routing').")
+    policy: PolicyName = Field("entropy", description="Routing policy (see docs/routing.md).")
     threshold: float | None = Field(
         None, description="entropy: nats (default 2.0); top1: probability; margin: p1-p2; learned: router score; "
         "first: how many answer tokens (no default).")

@@ -46,6 +46,8 @@ def test_readme_serve_command_routes_and_drains(tmp_path):
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{base}/health/ready", process, timeout_s=240)
+        # bash execs the command's last step, so `process` is the gateway and its exit status the gateway's.
+        assert b"gateway\0serve" in Path(f"/proc/{process.pid}/cmdline").read_bytes()
         children = upstream_server_pids() - before
         assert children, "the serve command should start its loopback upstream"
         headers = {"Authorization": "Bearer sk-demo"}
@@ -63,7 +65,9 @@ def test_readme_serve_command_routes_and_drains(tmp_path):
             os.killpg(process.pid, signal.SIGTERM)
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
-        assert process.wait(timeout=60) is not None
+        # Once the stream has drained the gateway stops on the SIGTERM (uvicorn re-raises the signal
+        # it caught), not on an error and not by the time-out.
+        assert process.wait(timeout=60) == -signal.SIGTERM, f"exit status {process.returncode}"
         assert not (upstream_server_pids() & children), "the loopback upstream must stop with the gateway"
     finally:
         if process.poll() is None:
