@@ -24,9 +24,9 @@ VOCAB = ["Par", "is", "Paris", " is", " nice", " big", *sorted(set("Paris is nic
 
 def make(local, upstream, policy="always", max_tokens=20, span=1, stop=(), limits=Limits(), store=None,
          span_until="tokens", grammar=None, prompt=None, ceiling=None, on_ceiling="local", choice=0,
-         escalation="continue", held=False, **kw):
+         escalation="continue", held=False, tenant="t", cache_scope="", **kw):
     store = store or MemoryStore()
-    gate = HandoffGate(Ledger(store), "t", limits, allowed=True)
+    gate = HandoffGate(Ledger(store), tenant, limits, allowed=True, cache_scope=cache_scope)
     request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=max_tokens,
                             policy=build_policy(policy, **kw), span=span, stop=stop, span_until=span_until,
                             grammar=grammar, prompt=prompt, ceiling=ceiling, on_ceiling=on_ceiling, choice=choice,
@@ -482,17 +482,16 @@ async def test_continuation_cache_is_scoped_to_the_tenant():
     first, _ = make(FakeLocalModel(VOCAB, ""), FakeUpstream("Paris is nice."), store=store)
     await run(first)
     upstream = FakeUpstream("Paris is nice.")
-    other_tenant, _ = make(FakeLocalModel(VOCAB, ""), upstream, store=store)
-    other_tenant.gate = HandoffGate(Ledger(store), "u", Limits(), allowed=True)
+    other_tenant, _ = make(FakeLocalModel(VOCAB, ""), upstream, store=store, tenant="u")
     await run(other_tenant)
     assert upstream.calls and other_tenant.source_counts()["cache"] == 0
 
 
 async def test_tenants_that_share_a_cache_scope_reuse_each_other():
     store = MemoryStore()
-    decodings = [make(FakeLocalModel(VOCAB, ""), FakeUpstream("Paris is nice."), store=store)[0] for _ in range(2)]
-    for tenant, decoding in zip("tu", decodings):
-        decoding.gate = HandoffGate(Ledger(store), tenant, Limits(), allowed=True, cache_scope="shared")
+    decodings = [make(FakeLocalModel(VOCAB, ""), FakeUpstream("Paris is nice."), store=store, tenant=tenant,
+                      cache_scope="shared")[0] for tenant in "tu"]
+    for decoding in decodings:
         await run(decoding)
     assert decodings[1].upstream.calls == [] and decodings[1].source_counts()["cache"] > 0
 
