@@ -8,16 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 # The upstream branch of the tree is defined beside the upstream client (adapters import nothing
 # from the gateway); it is loaded here with the rest.
 from adapters.upstream_settings import LaunchSettings, UpstreamMode, UpstreamSettings  # noqa: F401
+from policies.registry import POLICIES
 
 
 class SettingsError(Exception):
@@ -126,21 +128,21 @@ class RoutingSettings(Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_entropy_threshold(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("policy", "entropy") == "entropy" and data.get("threshold") is None:
-            return {**data, "threshold": 2.0}
-        return data
+    def _policy_defaults(cls, data: Any) -> Any:
+        name = data.get("policy", "entropy") if isinstance(data, dict) else None
+        entry = POLICIES.get(name) if isinstance(name, str) else None  # any other value is refused below
+        if entry is None:
+            return data
+        return {**data, **{key: value for key, value in entry.defaults.items() if data.get(key) is None}}
 
     @model_validator(mode="after")
-    def _threshold_given(self) -> "RoutingSettings":
-        if self.policy in ("entropy", "top1", "margin", "first") and self.threshold is None:
-            raise ValueError(f"policy '{self.policy}' needs a threshold")
-        if self.policy == "target_fraction" and self.target_fraction is None:
-            raise ValueError("policy 'target_fraction' needs target_fraction")
-        if self.policy == "learned" and (self.router is None or (self.threshold is None and self.target_fraction is None)):
-            raise ValueError("policy 'learned' needs a router and a threshold or target_fraction")
-        if self.policy == "first" and (self.threshold < 1 or self.threshold != int(self.threshold)):
-            raise ValueError("policy 'first' needs a whole number of tokens >= 1 as its threshold")
+    def _policy_needs(self) -> "RoutingSettings":
+        entry = POLICIES[self.policy]
+        if any(all(getattr(self, key) is None for key in need.fields) for need in entry.needs):
+            raise ValueError(f"policy '{self.policy}' needs {' and '.join(need.what for need in entry.needs)}")
+        wrong = entry.check(vars(self)) if entry.check else None
+        if wrong:
+            raise ValueError(f"policy '{self.policy}' {wrong[1]}")
         if self.escalate_below and self.answer_check is None:
             raise ValueError("escalate_below needs an answer_check")
         problem = draft_problem(vars(self))  # the fields as they are: no copy per request
@@ -164,7 +166,24 @@ def draft_problem(routing: Mapping[str, Any], priced: bool = True) -> str | None
     return None
 
 
-PolicyName = Literal["never", "always", "entropy", "top1", "margin", "target_fraction", "learned", "first"]
+def _registered(name: Any) -> str:
+    """`name` if a policy is registered under it (policies.registry), else refused as a Literal of
+    the registered names would be (same error type and message)."""
+    if isinstance(name, str) and name in POLICIES:
+        return name
+    names = [repr(known) for known in POLICIES]
+    expected = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+    raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+
+
+class _RegisteredNames:
+    """JSON schema of a policy name: an enum of the names registered when the schema is made."""
+
+    def __get_pydantic_json_schema__(self, schema: Any, handler: Any) -> dict[str, Any]:
+        return {"enum": list(POLICIES), "type": "string"}
+
+
+PolicyName = Annotated[str, PlainValidator(_registered), _RegisteredNames()]
 OnCeiling = Literal["local", "escalate"]
 Escalation = Literal["continue", "afresh", "draft"]
 SpanRule = Literal["tokens", "word", "line", "sentence"]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from policies.base import LOCAL, UPSTREAM, Decision, Policy, Route, RoutingState, Signal
+from policies.base import LOCAL, UPSTREAM, Decision, Needs, Policy, PolicyArgs, PolicyEntry, Route, RoutingState, Signal
 from policies.caps import Capped
-from policies.learned import FirstTokens, LearnedAbove, LearnedShare, Router
+from policies.learned import Router
 from policies.price import PriceAware
-from policies.target_fraction import TargetFraction
-from policies.thresholds import Always, EntropyAbove, MarginBelow, Never, Top1Below
+from policies.registry import POLICIES
+from policies.thresholds import EntropyAbove, MarginBelow, Top1Below
 from policies.window import RecentValues, SharedWindows
 
 THRESHOLD_POLICIES = {"entropy": EntropyAbove, "top1": Top1Below, "margin": MarginBelow}
@@ -26,47 +26,24 @@ def build_policy(
     answer_value: float | None = None,
     early_escalation: bool = True,
 ) -> Policy:
-    """A fresh policy for one request, wrapped in its caps.
+    """A fresh policy for one request: the one registered as `name` (policies.registry; ValueError
+    for a name none is), price-aware with `answer_value` (policies.price; None leaves decisions
+    blind to price), wrapped in its caps.
 
     `windows` hold the recent values that target_fraction (entropies) and learned with
     `threshold_from` "traffic" (router scores) calibrate on; pass the same ones to every request of
-    a tenant on an alias so thresholds are calibrated on more than one short answer. `learned`
-    needs `router` and a score `threshold`, or a `target_fraction`: `threshold_from` "router" turns
-    it into the router's threshold fitted for that share (RouterError outside the fitted shares),
-    "traffic" into the quantile of the scores in the window (policies.learned.LearnedShare).
-    `first` routes the first `threshold` answer tokens.
-    `answer_value` makes it price-aware (policies.price); None leaves decisions blind to price.
+    a tenant on an alias so thresholds are calibrated on more than one short answer. What a policy
+    reads of `threshold`, `target_fraction`, `threshold_from` and `router` is said beside its
+    entry (learned: policies.learned.build_learned; `first` routes the first `threshold` tokens).
     """
-    inner: Policy
-    if name == "never":
-        inner = Never()
-    elif name == "always":
-        inner = Always()
-    elif name in THRESHOLD_POLICIES:
-        inner = THRESHOLD_POLICIES[name](threshold)
-    elif name == "learned":
-        if router is None:
-            raise ValueError("policy 'learned' needs a router")
-        if threshold_from not in ("router", "traffic"):
-            raise ValueError(f"threshold_from is 'router' or 'traffic', not {threshold_from!r}")
-        if threshold is not None:
-            inner = LearnedAbove(router, threshold)
-        elif threshold_from == "traffic":
-            fitted = sorted(router.shares)  # until the window fills: the nearest fitted share's threshold
-            start = router.threshold_for_share(min(max(target_fraction, fitted[0]), fitted[-1]))
-            inner = LearnedShare(router, target_fraction, (windows or SharedWindows()).scores, start)
-        else:
-            inner = LearnedAbove(router, router.threshold_for_share(target_fraction))
-    elif name == "first":
-        inner = FirstTokens(int(threshold))
-    elif name == "target_fraction":
-        inner = TargetFraction(target_fraction, (windows or SharedWindows()).entropies)
-    else:
+    entry = POLICIES.get(name)
+    if entry is None:
         raise ValueError(f"unknown routing policy {name!r}")
+    inner = entry.build(PolicyArgs(threshold, target_fraction, threshold_from, router, windows))
     if answer_value is not None:
         inner = PriceAware(inner, answer_value, escalate=early_escalation)
     return Capped(inner, max_upstream_tokens, max_upstream_share, max_upstream_calls)
 
 
-__all__ = ["LOCAL", "UPSTREAM", "Decision", "Policy", "RecentValues", "Route", "Router", "RoutingState", "Signal",
-           "SharedWindows", "build_policy", "THRESHOLD_POLICIES"]
+__all__ = ["LOCAL", "UPSTREAM", "Decision", "Needs", "POLICIES", "Policy", "PolicyArgs", "PolicyEntry", "RecentValues",
+           "Route", "Router", "RoutingState", "Signal", "SharedWindows", "build_policy", "THRESHOLD_POLICIES"]

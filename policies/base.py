@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from policies.window import SharedWindows
+
+if TYPE_CHECKING:
+    from policies.learned import Router
+    from policies.mlp_router import MlpRouter
 
 
 class Route(enum.Enum):
@@ -130,3 +137,42 @@ class Wrapping:
     @property
     def reads_prices(self) -> bool:
         return self.inner.reads_prices
+
+
+@dataclass(frozen=True)
+class PolicyArgs:
+    """What a policy's constructor is handed for one request: the routing fields a policy may read
+    (named as in the configuration) and what the gateway owns for it (a tenant's `windows` on the
+    alias, None: fresh ones; the alias's learned `router`)."""
+
+    threshold: float | None = None
+    target_fraction: float | None = None
+    threshold_from: str = "router"
+    router: Router | MlpRouter | None = None
+    windows: SharedWindows | None = None
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a policy cannot run without: one of the routing `fields`, named `what` in errors
+    ("a threshold"). Where there are several the policy reads the first one given, so an override
+    that gives a later one clears those before it that were set below it."""
+
+    fields: tuple[str, ...]
+    what: str
+
+
+@dataclass(frozen=True)
+class PolicyEntry:
+    """A policy as the configuration names it, in policies.registry.POLICIES.
+
+    `build` makes a fresh one for one request. The settings fill the routing fields a
+    configuration leaves unset from `defaults`, refuse a routing that lacks one of `needs`, and
+    refuse one in which `check` finds a problem: (the field, why: "needs a whole number ...").
+    """
+
+    name: str
+    build: Callable[[PolicyArgs], Policy]
+    needs: tuple[Needs, ...] = ()
+    check: Callable[[Mapping[str, Any]], tuple[str, str] | None] | None = None
+    defaults: Mapping[str, Any] = field(default_factory=dict)

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from policies.base import LOCAL, UPSTREAM, Decision, PolicyDefaults, Route, RoutingState, Signal
-from policies.window import RecentValues
+from policies.base import (LOCAL, UPSTREAM, Decision, Needs, PolicyArgs, PolicyDefaults, PolicyEntry, Route,
+                           RoutingState, Signal)
+from policies.window import RecentValues, SharedWindows
 
 if TYPE_CHECKING:
     from policies.mlp_router import MlpRouter
@@ -220,3 +222,38 @@ class FirstTokens(PolicyDefaults):
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
         return UPSTREAM if signal.position < self.count else LOCAL
+
+
+def build_learned(args: PolicyArgs) -> RouterPolicy:
+    """The learned policy: a score `threshold`, or a `target_fraction` that `threshold_from`
+    "router" turns into the router's threshold fitted for that share (RouterError outside the
+    fitted shares) and "traffic" into the quantile of the scores in the window (LearnedShare)."""
+    router = args.router
+    if router is None:
+        raise ValueError("policy 'learned' needs a router")
+    if args.threshold_from not in ("router", "traffic"):
+        raise ValueError(f"threshold_from is 'router' or 'traffic', not {args.threshold_from!r}")
+    if args.threshold is not None:
+        return LearnedAbove(router, args.threshold)
+    if args.threshold_from == "traffic":
+        fitted = sorted(router.shares)  # until the window fills: the nearest fitted share's threshold
+        start = router.threshold_for_share(min(max(args.target_fraction, fitted[0]), fitted[-1]))
+        return LearnedShare(router, args.target_fraction, (args.windows or SharedWindows()).scores, start)
+    return LearnedAbove(router, router.threshold_for_share(args.target_fraction))
+
+
+def whole_count(fields: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(the field, why) unless first's threshold is a count of tokens."""
+    count = fields["threshold"]
+    if count >= 1 and float(count).is_integer():
+        return None
+    return "threshold", "needs a whole number of tokens >= 1 as its threshold"
+
+
+ROUTER = Needs(("router",), "a router")
+SCORE_OR_SHARE = Needs(("threshold", "target_fraction"), "a threshold or target_fraction")
+ENTRIES = (
+    PolicyEntry("learned", build_learned, (ROUTER, SCORE_OR_SHARE)),
+    PolicyEntry("first", lambda args: FirstTokens(int(args.threshold)), (Needs(("threshold",), "a threshold"),),
+                check=whole_count),
+)

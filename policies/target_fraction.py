@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from policies.base import LOCAL, UPSTREAM, Decision, PolicyDefaults, RoutingState, Signal
-from policies.window import RecentValues
+from policies.base import (LOCAL, UPSTREAM, Decision, Needs, PolicyArgs, PolicyDefaults, PolicyEntry, RoutingState,
+                           Signal)
+from policies.window import RecentValues, SharedWindows
 
 
 @dataclass
@@ -35,3 +36,11 @@ class TargetFraction(PolicyDefaults):
         if owed < 0 or len(self.window) < self.min_history:
             return LOCAL
         return UPSTREAM if signal.entropy >= self.window.quantile(1.0 - self.target) else LOCAL
+
+
+def build(args: PolicyArgs) -> TargetFraction:
+    """target_fraction's share, calibrated on the entropies of the tenant's window."""
+    return TargetFraction(args.target_fraction, (args.windows or SharedWindows()).entropies)
+
+
+ENTRIES = (PolicyEntry("target_fraction", build, (Needs(("target_fraction",), "target_fraction"),)),)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies.base import LOCAL, UPSTREAM, Decision, PolicyDefaults, RoutingState, Signal
+from policies.base import LOCAL, UPSTREAM, Decision, Needs, PolicyDefaults, PolicyEntry, RoutingState, Signal
 
 
 @dataclass
@@ -60,3 +60,13 @@ class MarginBelow(PolicyDefaults):
 
     def decide(self, signal: Signal, state: RoutingState) -> Decision:
         return UPSTREAM if signal.margin < self.threshold else LOCAL
+
+
+THRESHOLD = Needs(("threshold",), "a threshold")
+ENTRIES = (
+    PolicyEntry("never", lambda args: Never()),
+    PolicyEntry("always", lambda args: Always()),
+    PolicyEntry("entropy", lambda args: EntropyAbove(args.threshold), (THRESHOLD,), defaults={"threshold": 2.0}),
+    PolicyEntry("top1", lambda args: Top1Below(args.threshold), (THRESHOLD,)),
+    PolicyEntry("margin", lambda args: MarginBelow(args.threshold), (THRESHOLD,)),
+)

@@ -5,7 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies import Route, RoutingState, SharedWindows, Signal, build_policy
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from gateway.admission.routing import policy_of, resolve_routing
+from gateway.api.errors import InvalidRequest
+from gateway.settings import RoutingOverride, RoutingSettings
+from policies import (LOCAL, POLICIES, UPSTREAM, Decision, Needs, PolicyEntry, Route, RoutingState, SharedWindows,
+                      Signal, build_policy)
+from policies.base import PolicyDefaults
 
 
 def signal(entropy: float = 1.0, top1: float = 0.5, margin: float = 0.2, position: int = 0) -> Signal:
@@ -24,6 +33,38 @@ def test_threshold_policies_route_on_their_signal(name, threshold, routed, kept)
     policy = build_policy(name, threshold=threshold)
     assert policy.decide(routed, RoutingState()).upstream
     assert policy.decide(kept, RoutingState()).route is Route.LOCAL
+
+
+@dataclass
+class EveryNth(PolicyDefaults):
+    """A policy a test registers: route every `n`-th answer token."""
+
+    n: int
+    name: str = "every_nth"
+
+    def decide(self, signal: Signal, state: RoutingState) -> Decision:
+        return UPSTREAM if signal.position % self.n == 0 else LOCAL
+
+
+def test_a_policy_registered_in_one_place_is_usable_by_name(monkeypatch):
+    entry = PolicyEntry("every_nth", lambda args: EveryNth(int(args.threshold)), (Needs(("threshold",), "threshold"),))
+    monkeypatch.setitem(POLICIES, entry.name, entry)
+    policy = build_policy("every_nth", threshold=3, max_upstream_calls=1)
+    assert [policy.decide(signal(position=p), RoutingState()).upstream for p in range(4)] == [True, False, False, True]
+    assert policy.decide(signal(position=3), RoutingState(upstream_calls=1)).vetoed == "cap"  # wrapped in its caps
+    with pytest.raises(ValidationError, match="policy 'every_nth' needs threshold"):
+        RoutingSettings(policy="every_nth")
+    alias = RoutingSettings(policy="never")
+    with pytest.raises(InvalidRequest) as refused:
+        resolve_routing(alias, RoutingOverride(policy="every_nth"))
+    assert refused.value.param == "routing.threshold"
+    routing = resolve_routing(alias, RoutingOverride(policy="every_nth", threshold=2))
+    assert policy_of(routing, None, SharedWindows()).decide(signal(position=2), RoutingState()).upstream
+    monkeypatch.delitem(POLICIES, "every_nth")
+    with pytest.raises(ValueError, match="unknown routing policy 'every_nth'"):
+        build_policy("every_nth", threshold=2)
+    with pytest.raises(ValidationError):
+        RoutingOverride(policy="every_nth")
 
 
 def test_never_and_always_ignore_the_signal():

@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.admission.tenants import TenantDirectory, key_digest
-from gateway.settings import RoutingSettings, SettingsError, draft_problem, load_settings
+from gateway.settings import RoutingOverride, RoutingSettings, SettingsError, draft_problem, load_settings
+from policies import POLICIES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,6 +59,23 @@ def test_errors_are_one_line_naming_the_key(tmp_path, text, needle):
     with pytest.raises(SettingsError) as caught:
         load_settings(path)
     assert needle in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_registered_policy_is_a_policy_the_settings_accept(name):
+    fields = {"threshold": 1.0, "target_fraction": 0.1, "router": "router.json"}  # whatever a policy needs
+    assert RoutingSettings(policy=name, **fields).policy == name
+    assert RoutingOverride(policy=name).policy == name
+    assert name in RoutingSettings.model_json_schema()["properties"]["policy"]["enum"]
+
+
+def test_a_policy_nobody_registered_is_refused_naming_the_field():
+    with pytest.raises(SettingsError, match=r"aliases\.m\.routing\.policy: Input should be 'never', 'always'"):
+        load_settings_text("models: {local: {a: {gguf: x}}}\naliases: {m: {local: a, routing: {policy: bogus}}}\n")
+    with pytest.raises(ValidationError) as refused:
+        RoutingOverride(policy="bogus")
+    assert refused.value.errors()[0]["loc"] == ("policy",) and refused.value.errors()[0]["type"] == "literal_error"
+    assert RoutingSettings.model_json_schema()["properties"]["policy"]["enum"] == list(POLICIES)
 
 
 def test_tenant_keys_are_held_as_digests(tmp_path):
