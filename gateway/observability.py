@@ -1,12 +1,14 @@
 """Metrics and logs: a Prometheus registry per app, one JSON log line per event, request ids.
 
 Every app gets its own `Metrics` (its own CollectorRegistry), so several apps can live in one
-process (tests) without clashing. Labels are deliberately few and bounded: `alias` (a configured
-alias name, or "unknown"), `status` (the HTTP status class), `source` (local/upstream/cache)
-and `reason` (an error code, a `usage.routing.degraded` reason, or the kind of field that sent a
-request through: `tool_result`, never `messages[41].role`). Tenant ids, keys and prompt
-text never become labels, and neither keys nor prompts are logged: log lines carry ids, counts
-and timings only, and a last-resort filter masks anything that looks like a bearer key.
+process (tests) without clashing. Labels are deliberately few and bounded: `endpoint` (an API
+route's template, `/v1/responses/{response_id}`, never the path a client sent) and `method` (one
+that route serves), `alias` (a configured alias name, or "unknown"), `status` (the HTTP status
+class), `source` (local/upstream/cache) and `reason` (an error code, a `usage.routing.degraded`
+reason, or the kind of field that sent a request through: `tool_result`, never
+`messages[41].role`). Tenant ids, keys and prompt text never become labels, and neither keys nor
+prompts are logged: log lines carry ids, counts and timings only, and a last-resort filter masks
+anything that looks like a bearer key.
 
 The decoder stays free of metrics code: `metered(admitted)` wraps its piece stream, and
 `MeteredUpstream` gives each alias's decoder continuations that time and count real calls.
@@ -26,7 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -38,10 +40,17 @@ from adapters.upstream import Continuation, Handoff, Upstream
 from gateway.api.errors import GatewayError, Unauthenticated
 from gateway.decoding.cost_ceiling import cost_ratio
 
+if TYPE_CHECKING:  # for annotations only: the CLI imports this module for its logging, not the admission code
+    from gateway.admission.chat import Admitted
+    from gateway.admission.passthrough import Passing
+    from gateway.decoding.decoder import Piece
+    from gateway.runtime import Runtime
+
 log = logging.getLogger("gateway.requests")
 router = APIRouter()
 
-CHAT_PATH = "/v1/chat/completions"
+API_PREFIXES = ("/v1/", "/admin/")  # routes counted by endpoint; /metrics, /health/ and the playground are not
+CHAT_ENDPOINT = "/v1/chat/completions"
 QUIET_PATHS = ("/metrics", "/health/")  # scraped every few seconds: logged at DEBUG only
 UNKNOWN = "unknown"
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
@@ -55,6 +64,12 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.api_requests = Counter("gateway_requests", "API requests by endpoint (route template), method, alias "
+                                    "and HTTP status class.", ["endpoint", "method", "alias", "status"], registry=r)
+        self.api_errors = Counter("gateway_request_errors", "API requests refused or failed (also mid-stream), by "
+                                  "endpoint, method, alias and error code.", ["endpoint", "method", "alias", "reason"],
+                                  registry=r)
+        # The chat-only series that dashboards read before gateway_requests counted every endpoint.
         self.requests = Counter("gateway_chat_requests", "Chat completion requests by alias and HTTP status class.",
                                 ["alias", "status"], registry=r)
         self.errors = Counter("gateway_chat_errors", "Chat completions refused or failed (also mid-stream), by error code.",
@@ -78,7 +93,7 @@ class Metrics:
         self._upstream_metrics(r)
         r.register(_QueueDepth(self))
         r.register(_EngineCounters(self))
-        self.runtime: Any = None  # set by `instrument`; read by the queue-depth collector
+        self.runtime: Runtime | None = None  # set by `instrument`; read by the scrape-time collectors
 
     def _upstream_metrics(self, r: CollectorRegistry) -> None:
         self.upstream_calls = Counter("gateway_upstream_calls", "Calls made to an upstream model.", ["alias"], registry=r)
@@ -189,7 +204,7 @@ def install(app: FastAPI, metrics: Metrics, public: bool = False) -> None:
     app.add_middleware(ObservabilityMiddleware, metrics=metrics)
 
 
-def instrument(runtime: Any, metrics: Metrics) -> None:
+def instrument(runtime: Runtime, metrics: Metrics) -> None:
     """Meter each alias's hand-offs: its decoder's continuations count and time every call under
     that alias (a runtime reused by a second app counts for the new one)."""
     metrics.runtime = runtime
@@ -246,7 +261,7 @@ def note_model(model: str) -> None:
 
 
 class ObservabilityMiddleware:
-    """Times each request, counts chat completions by alias and status, logs one line per request."""
+    """Times each request, counts API requests by endpoint, alias and status, logs one line per request."""
 
     def __init__(self, app, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -273,19 +288,28 @@ class ObservabilityMiddleware:
             self._finish(scope, record)
 
     def _finish(self, scope, record: RequestRecord) -> None:
-        path, status = scope["path"], record.status or 500
-        fields: dict[str, Any] = {"method": scope["method"], "path": path, "status": status,
+        path, method, status = scope["path"], scope["method"], record.status or 500
+        fields: dict[str, Any] = {"method": method, "path": path, "status": status,
                                   "duration_ms": round((time.perf_counter() - record.started) * 1000, 1)}
-        if path == CHAT_PATH and scope["method"] == "POST":
+        endpoint = api_endpoint(scope)
+        if endpoint is not None:
             alias = self._alias_label(scope, record)
-            self.metrics.requests.labels(alias, f"{status // 100}xx").inc()
-            if record.error is not None:
-                self.metrics.errors.labels(alias, record.error).inc()
-            fields.update(alias=alias, tenant=record.tenant, error=record.error, **record.summary)
+            self._count(endpoint, method, alias, f"{status // 100}xx", record.error)
+            fields.update(endpoint=endpoint, alias=alias, tenant=record.tenant, error=record.error, **record.summary)
             if record.ttft_s is not None:
                 fields["ttft_ms"] = round(record.ttft_s * 1000, 1)
         level = logging.DEBUG if path.startswith(QUIET_PATHS) else logging.INFO
         log.log(level, "%s %s %s", scope["method"], path, status, extra=fields)
+
+    def _count(self, endpoint: str, method: str, alias: str, status: str, error: str | None) -> None:
+        m = self.metrics
+        m.api_requests.labels(endpoint, method, alias, status).inc()
+        if error is not None:
+            m.api_errors.labels(endpoint, method, alias, error).inc()
+        if endpoint == CHAT_ENDPOINT:
+            m.requests.labels(alias, status).inc()
+            if error is not None:
+                m.errors.labels(alias, error).inc()
 
     def _alias_label(self, scope, record: RequestRecord) -> str:
         if record.alias is not None:
@@ -295,7 +319,18 @@ class ObservabilityMiddleware:
         return record.model if record.model in aliases else UNKNOWN
 
 
-async def metered(admitted: Any) -> AsyncIterator[tuple[int, Any]]:
+def api_endpoint(scope) -> str | None:
+    """The template of the API route a request matched (`/v1/responses/{response_id}`), or None:
+    for /metrics, /health/ and the playground, a path no route matched, or a method its route does
+    not serve (so no label holds a path or a method name a client made up)."""
+    route = scope.get("route")  # set by the router as it matches, on this same scope
+    template = getattr(route, "path", "")
+    if template.startswith(API_PREFIXES) and scope["method"] in getattr(route, "methods", ()):
+        return template
+    return None
+
+
+async def metered(admitted: Admitted) -> AsyncIterator[tuple[int, Piece]]:
     """The admitted request's (choice index, piece) pairs, timed and counted on the way through."""
     record = _record.get()
     if record is None:
@@ -337,7 +372,7 @@ def _observe_tokens(metrics: Metrics, alias: str, source: str, count: int, secon
         histogram.observe(seconds / count)
 
 
-def _count_answer(record: RequestRecord, admitted: Any) -> None:
+def _count_answer(record: RequestRecord, admitted: Admitted) -> None:
     metrics, alias = record.metrics, admitted.alias.name
     counts: dict[str, int] = {}
     degraded: list[str] = []
@@ -372,7 +407,7 @@ def _count_answer(record: RequestRecord, admitted: Any) -> None:
                       "upstream_calls": sum(d.usage.upstream_calls for d in admitted.decodings), "degraded": degraded}
 
 
-def count_passthrough(passing: Any) -> None:
+def count_passthrough(passing: Passing) -> None:
     """Count a request passed through whole, once its upstream call is settled."""
     record = _record.get()
     if record is None:

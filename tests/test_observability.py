@@ -21,7 +21,9 @@ from tests.conftest import ADMIN_KEY, DEMO_KEY, gateway_config, live_gateway
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
-ALLOWED_LABELS = {"alias", "status", "source", "reason", "model", "outcome", "le"}
+ALLOWED_LABELS = {"endpoint", "method", "alias", "status", "source", "reason", "model", "outcome", "le"}
+API_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/{response_id}",
+                 "/v1/models", "/v1/usage", "/admin/tenants/{tenant_id}/usage"}
 TIGHT_KEY = "sk-tight-budget"
 CANARY = f"CANARY-{uuid.uuid4().hex}"
 
@@ -60,6 +62,31 @@ def test_each_app_has_its_own_registry():
         assert text.status_code == 200 and text.headers["content-type"].startswith("text/plain")
         assert value(samples(text.text), "gateway_chat_requests_total", alias="unknown", status="4xx") == 1
         assert value(samples(two.get("/metrics", headers=ADMIN).text), "gateway_chat_requests_total", alias="unknown", status="4xx") == 0
+
+
+def test_every_api_endpoint_is_counted_under_its_route_template():
+    wrong = {"Authorization": "Bearer sk-wrong"}
+    calls = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
+             ("GET", "/v1/responses/resp_private42"), ("DELETE", "/v1/responses/resp_private42"),
+             ("GET", "/v1/models"), ("GET", "/v1/usage"), ("GET", "/admin/tenants/tenant-private/usage")]
+    uncounted = [("GET", f"/v1/nope-{CANARY}"), ("PATCH", "/v1/models"), ("BREW", "/v1/models"),
+                 ("GET", "/health/live"), ("GET", "/playground")]
+    with TestClient(fake_app()) as client:
+        for method, path in calls + uncounted:
+            client.request(method, path, headers=wrong, json={} if method == "POST" else None)
+        text = client.get("/metrics", headers=ADMIN).text
+    m = samples(text)
+    for method, path in calls:
+        endpoint = path.replace("resp_private42", "{response_id}").replace("tenant-private", "{tenant_id}")
+        assert value(m, "gateway_requests_total", endpoint=endpoint, method=method, alias="unknown", status="4xx") == 1
+        assert value(m, "gateway_request_errors_total", endpoint=endpoint, method=method, alias="unknown",
+                     reason="invalid_api_key") == 1
+    counted = {dict(labels)["endpoint"] for name, labels in m if name == "gateway_requests_total"}
+    assert counted == API_ENDPOINTS and sum(v for (name, _), v in m.items() if name == "gateway_requests_total") == 8
+    assert "private" not in text and CANARY not in text and "BREW" not in text and "PATCH" not in text
+    # the chat-only series, as dashboards read them before: chat completions and nothing else
+    assert value(m, "gateway_chat_requests_total", alias="unknown", status="4xx") == 1
+    assert value(m, "gateway_chat_errors_total", alias="unknown", reason="invalid_api_key") == 1
 
 
 def test_json_log_lines_carry_the_request_id_and_mask_keys():
@@ -194,6 +221,35 @@ def test_logs_are_json_with_request_ids_and_never_hold_prompts_or_keys(gateway, 
     summary = done[-1]
     assert summary["path"] == "/v1/chat/completions" and summary["status"] == 200 and summary["alias"] == "routed"
     assert summary["tenant"] == "demo" and summary["tokens"]["upstream"] > 0 and summary["ttft_ms"] > 0
+
+
+@pytest.mark.integration
+def test_completions_and_responses_are_counted_under_their_endpoints(gateway):
+    auth = {"authorization": f"Bearer {DEMO_KEY}"}
+    with httpx.Client(base_url=gateway.base_url, timeout=60, headers=auth) as client:
+        before = samples(client.get("/metrics", headers=ADMIN).text)
+        completed = client.post("/v1/completions", headers={"x-request-id": "obs-completion"},
+                                json={"model": "local", "prompt": "The capital of France is", "max_tokens": 4})
+        answered = client.post("/v1/responses", json={"model": "local", "input": "Say hi.", "max_output_tokens": 4})
+        assert completed.status_code == 200 and answered.status_code == 200
+        assert client.get(f"/v1/responses/{answered.json()['id']}").status_code == 200
+        scraped = client.get("/metrics", headers=ADMIN).text
+    after = samples(scraped)
+
+    def counted(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    ok = {"alias": "local", "status": "2xx"}
+    assert counted("gateway_requests_total", endpoint="/v1/completions", method="POST", **ok) == 1
+    assert counted("gateway_requests_total", endpoint="/v1/responses", method="POST", **ok) == 1
+    assert counted("gateway_requests_total", endpoint="/v1/responses/{response_id}", method="GET", alias="unknown",
+                   status="2xx") == 1
+    assert counted("gateway_chat_requests_total", **ok) == 0  # the chat-only series stays chat-only
+    assert counted("gateway_time_to_first_token_seconds_count", alias="local") == 2
+    assert answered.json()["id"] not in scraped
+    lines = [json.loads(line) for line in gateway.logs().splitlines() if line.startswith("{")]
+    [logged] = [line for line in lines if line.get("request_id") == "obs-completion"]
+    assert logged["endpoint"] == "/v1/completions" and logged["alias"] == "local" and logged["tenant"] == "demo"
 
 
 @pytest.mark.integration

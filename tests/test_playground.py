@@ -1,4 +1,5 @@
-"""The playground page in headless Chromium, driven over the Chrome DevTools Protocol.
+"""The playground page in headless Chromium, driven over the Chrome DevTools Protocol, and the front
+door that leads a browser to it.
 
 Chromium comes from Debian (scripts/install-chromium.sh); the protocol is spoken over a plain
 websocket (websocket-client), so no browser or driver is downloaded at test time. Screenshots
@@ -9,27 +10,74 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+import re
 import shutil
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import websocket
+from fastapi.testclient import TestClient
 
+from gateway.api.app import create_app
+from gateway.settings import Settings
 from tests.conftest import DEMO_KEY, ROOT, gateway_config, live_gateway, stop
-
-pytestmark = pytest.mark.integration
 
 ARTIFACTS = ROOT / "artifacts"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage", "--hide-scrollbars", "--remote-debugging-port=0", "--window-size=1280,960"]
 PROMPT = "What is the capital of France? Answer in one sentence."
+BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,image/avif,image/webp,*/*;q=0.8"  # Chromium's
+STARTUP_URL = re.compile(r"open (\S+) in a browser for the playground")
 
+
+# -- the front door, without a model --
+
+def app_without_models(**server):
+    async def start(_settings):
+        async def close():
+            pass
+        return SimpleNamespace(aliases={}, local_models={}, close=close)
+
+    config = gateway_config(None)
+    config["server"].update(server)
+    return create_app(Settings.model_validate(config), start_runtime=start)
+
+
+def test_the_root_sends_a_browser_to_the_playground():
+    with TestClient(app_without_models(), follow_redirects=False) as client:
+        door = client.get("/", headers={"accept": BROWSER_ACCEPT})
+        assert door.status_code == 307 and door.headers["location"] == "/playground"
+        assert "accept" in door.headers["vary"].lower()
+        landed = client.get("/", headers={"accept": BROWSER_ACCEPT}, follow_redirects=True)
+    assert landed.url.path == "/playground" and landed.headers["content-type"].startswith("text/html")
+
+
+def test_the_root_answers_an_api_client_in_json_without_a_redirect():
+    with TestClient(app_without_models(), follow_redirects=False) as client:
+        for accept in ("application/json", "*/*"):  # the openai SDK's, curl's and httpx's
+            answer = client.get("/", headers={"accept": accept})
+            assert answer.status_code == 200 and "location" not in answer.headers, accept
+            assert answer.headers["content-type"] == "application/json"
+            assert answer.json()["playground"] == "/playground" and answer.json()["api"] == "/v1"
+
+
+def test_the_start_up_line_says_where_a_browser_finds_the_playground(caplog):
+    caplog.set_level(logging.INFO, logger="gateway")
+    with TestClient(app_without_models(host="0.0.0.0", port=8123)):
+        pass
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gateway ready")]
+    assert STARTUP_URL.search(line).group(1) == "http://127.0.0.1:8123/"  # a wildcard bind is opened on loopback
+
+
+# -- the page in headless Chromium, on a live gateway --
 
 def chromium_binary() -> str:
     """/usr/bin/chromium, installing it if it is missing; skip only if that cannot be done."""
@@ -198,6 +246,7 @@ def check_hover(page: Browser, seen: dict, index: int) -> None:
     assert tip == span["title"] and tip.startswith(span["source"]) and f"entropy {span['entropy']}" in tip
 
 
+@pytest.mark.integration
 def test_always_renders_every_token_as_upstream_with_its_signal(page):
     seen = run_prompt(page, "always")
     usage = check_rendering(page, seen, "upstream")
@@ -206,6 +255,7 @@ def test_always_renders_every_token_as_upstream_with_its_signal(page):
     page.screenshot(ARTIFACTS / "playground-always.png")
 
 
+@pytest.mark.integration
 def test_never_renders_every_token_as_local(page):
     seen = run_prompt(page, "never")
     usage = check_rendering(page, seen, "local")
@@ -214,6 +264,7 @@ def test_never_renders_every_token_as_local(page):
     page.screenshot(ARTIFACTS / "playground-never.png")
 
 
+@pytest.mark.integration
 def test_entropy_threshold_colours_each_token_by_its_own_source(page):
     seen = run_prompt(page, "entropy", threshold="2.5", prompt="Name three colours of the rainbow.", max_tokens=24)
     usage = check_rendering(page, seen)
@@ -225,8 +276,19 @@ def test_entropy_threshold_colours_each_token_by_its_own_source(page):
     page.screenshot(ARTIFACTS / "playground-entropy.png")
 
 
+@pytest.mark.integration
 def test_page_is_self_contained(gateway):
     response = httpx.get(f"{gateway.base_url}/playground")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
     assert "connect-src 'self'" in response.headers["content-security-policy"]
     assert "http://" not in response.text and "https://" not in response.text  # no CDN, no external fetch
+
+
+@pytest.mark.integration
+def test_the_serve_command_leads_a_newcomer_from_its_start_up_line_to_the_playground(gateway):
+    """What a newcomer does: read the line the serve command printed, open its address in a browser."""
+    [address] = STARTUP_URL.findall(gateway.logs())
+    assert address == f"{gateway.base_url}/"
+    landed = httpx.get(address, headers={"accept": BROWSER_ACCEPT}, follow_redirects=True)
+    assert landed.status_code == 200 and landed.url.path == "/playground"
+    assert landed.headers["content-type"].startswith("text/html") and "id=\"send\"" in landed.text

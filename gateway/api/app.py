@@ -21,7 +21,7 @@ from gateway.api.routes import router
 from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.responses.request import ResponsesRequest
 from gateway.runtime import Runtime
-from gateway.settings import Settings
+from gateway.settings import ServerSettings, Settings
 
 log = logging.getLogger("gateway")
 
@@ -35,7 +35,8 @@ def create_app(settings: Settings, start_runtime: RuntimeFactory = Runtime.start
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.runtime = await start_runtime(settings)
         observability.instrument(app.state.runtime, app.state.metrics)
-        log.info("gateway ready: aliases %s", ", ".join(app.state.runtime.aliases))
+        log.info("gateway ready: aliases %s; open %s in a browser for the playground",
+                 ", ".join(app.state.runtime.aliases), browser_url(settings.server))
         try:
             yield
         finally:
@@ -53,6 +54,15 @@ def create_app(settings: Settings, start_runtime: RuntimeFactory = Runtime.start
     app.add_middleware(RequestIdMiddleware)  # outermost: the id is set for every log line below it
     app.openapi = lambda: app.openapi_schema or _openapi_with_request_bodies(app)
     return app
+
+
+def browser_url(server: ServerSettings) -> str:
+    """Where a browser on this machine reaches the gateway `server` describes (its root leads to the
+    playground); a wildcard bind address is reached on loopback."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(server.host, server.host)
+    if ":" in host:  # an IPv6 address
+        host = f"[{host}]"
+    return f"http://{host}:{server.port}/"
 
 
 PARSED_BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/responses": ResponsesRequest,
