@@ -37,13 +37,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from adapters.pricing import Prices
 from adapters.upstream import Continuation, Handoff, Upstream
-from gateway.api.errors import GatewayError, Unauthenticated
 from gateway.decoding.cost_ceiling import cost_ratio
+from gateway.wire.errors import GatewayError, Unauthenticated
 
 if TYPE_CHECKING:  # for annotations only: the CLI imports this module for its logging, not the admission code
     from gateway.admission.chat import Admitted
-    from gateway.admission.passthrough import Passing
     from gateway.decoding.decoder import Piece
+    from gateway.decoding.passing import Passing
     from gateway.runtime import Runtime
 
 log = logging.getLogger("gateway.requests")
@@ -413,7 +413,7 @@ def count_passthrough(passing: Passing) -> None:
     if record is None:
         return
     metrics, alias, routing = record.metrics, passing.body.model, passing.routing
-    record.alias, record.tenant = alias, passing.tenant.id
+    record.alias, record.tenant = alias, passing.tenant_id
     metrics.passthrough.labels(alias, passing.blocker.reason).inc()
     if routing:
         metrics.upstream_calls.labels(alias).inc()

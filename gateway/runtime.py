@@ -16,11 +16,11 @@ from adapters.store import MemoryStore, Store
 from adapters.upstream import Continuations, Upstream, prices_of
 from adapters.upstream_server import UpstreamServer
 from adapters.vocabulary import Vocabulary
-from gateway.admission.budget import Ledger
-from gateway.admission.routing import policy_of, resolve_routing
-from gateway.admission.tenants import TenantDirectory
-from gateway.api.errors import InvalidRequest
 from gateway.settings import AliasSettings, RoutingOverride, RoutingSettings, Settings, SettingsError, UpstreamSettings
+from gateway.tenancy.budget import Ledger
+from gateway.tenancy.routing import policy_of, resolve_routing
+from gateway.tenancy.tenants import TenantDirectory
+from gateway.wire.errors import InvalidRequest
 from policies import Router, SharedWindows
 from policies.answer_check import AnswerCheck
 

@@ -14,9 +14,9 @@ import pytest
 from adapters.store import Limits, MemoryStore
 from eval.afresh import derived, fit
 from eval.configs import parse_config
-from gateway.admission.budget import HandoffGate, Ledger
 from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.decoder import DecodeRequest, Decoding
+from gateway.tenancy.budget import HandoffGate, Ledger
 from policies import Signal, build_policy
 from policies.answer_check import FEATURES, AnswerCheck, AnswerStats
 from policies.learned import RouterError

@@ -17,10 +17,10 @@ from adapters.store import (
     StoreUnavailable,
     new_reservation,
 )
-from gateway.admission.budget import HandoffGate, Ledger
 from gateway.admission.limits import admit_rates
-from gateway.admission.tenants import Tenant
 from gateway.settings import RateLimitSettings, TenantSettings
+from gateway.tenancy.budget import HandoffGate, Ledger
+from gateway.tenancy.tenants import Tenant
 
 NOW = 1_790_000_000.0
 

@@ -11,10 +11,10 @@ import pytest
 from adapters.pricing import Prices
 from adapters.store import Limits, MemoryStore, StoreUnavailable
 from adapters.upstream import UpstreamRejected
-from gateway.admission.budget import HandoffGate, Ledger
 from gateway.decoding.cost_ceiling import CostCeiling, cost_ratio
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import Sampling
+from gateway.tenancy.budget import HandoffGate, Ledger
 from policies import LOCAL, RecentValues, build_policy
 from policies.base import PolicyDefaults
 from tests.fakes import FakeLocalModel, FakeUpstream

@@ -10,10 +10,10 @@ from llama_cpp import Llama
 
 from adapters.local_model import LocalModel
 from adapters.store import Limits, MemoryStore
-from gateway.admission.budget import HandoffGate, Ledger
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.runtime import make_upstream
 from gateway.settings import UpstreamSettings
+from gateway.tenancy.budget import HandoffGate, Ledger
 from policies import build_policy
 from tests.conftest import QWEN, SMOL, upstream_server
 

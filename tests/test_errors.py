@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.api.errors import param_of
+from gateway.wire.errors import param_of
 
 
 @pytest.mark.parametrize(("location", "param"), [

@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
-import httpx
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
@@ -26,10 +25,10 @@ from adapters.store import MemoryStore, StoreUnavailable
 from gateway.__main__ import uvicorn_config
 from gateway.admission.passthrough import blocker_of, check_tools, upstream_params
 from gateway.api.app import create_app
-from gateway.api.errors import QUOTE_CHARS, GatewayError, InvalidRequest
-from gateway.api.request_body import parse_json_body
-from gateway.api.schemas import ChatCompletionRequest
 from gateway.settings import ServerSettings, Settings
+from gateway.wire.errors import QUOTE_CHARS, GatewayError, InvalidRequest
+from gateway.wire.request_body import parse_json_body
+from gateway.wire.schemas import ChatCompletionRequest
 from policies import build_policy
 from policies.base import RoutingState, Signal
 from tests.conftest import free_port, gateway_config

@@ -11,12 +11,12 @@ from adapters.store import Limits, MemoryStore
 from eval.__main__ import main as eval_main
 from eval.analysis import steps
 from eval.learn import compare, matrix, step_signal, train, with_thresholds
-from gateway.admission.budget import HandoffGate, Ledger
-from gateway.admission.routing import resolve_routing
-from gateway.api.errors import InvalidRequest
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import signal_of, token_kind
 from gateway.settings import RoutingOverride, RoutingSettings
+from gateway.tenancy.budget import HandoffGate, Ledger
+from gateway.tenancy.routing import resolve_routing
+from gateway.wire.errors import InvalidRequest
 from policies import LOCAL, UPSTREAM, RecentValues, RoutingState, SharedWindows, build_policy
 from policies.base import PolicyDefaults
 from policies.learned import FEATURES, Router, RouterError, features

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 
 from adapters.store import MemoryStore, RateLimits
-from gateway.admission.budget import Ledger
 from gateway.admission.passthrough import admit, blocker_of, check_media, check_tools
-from gateway.admission.tenants import Tenant
-from gateway.api.errors import InvalidRequest
-from gateway.api.schemas import ChatCompletionRequest
 from gateway.settings import RateLimitSettings, ServerSettings, TenantSettings
+from gateway.tenancy.budget import Ledger
+from gateway.tenancy.tenants import Tenant
+from gateway.wire.errors import InvalidRequest
+from gateway.wire.schemas import ChatCompletionRequest
 
 USER = {"role": "user", "content": "Hi"}
 NOW = 1_790_000_000.0

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 from dataclasses import dataclass
 
+import numpy as np
+import pytest
 from pydantic import ValidationError
 
-from gateway.admission.routing import policy_of, resolve_routing
-from gateway.api.errors import InvalidRequest
 from gateway.settings import RoutingOverride, RoutingSettings
-from policies import (LOCAL, POLICIES, UPSTREAM, Decision, Needs, PolicyEntry, Route, RoutingState, SharedWindows,
-                      Signal, build_policy)
+from gateway.tenancy.routing import policy_of, resolve_routing
+from gateway.wire.errors import InvalidRequest
+from policies import (
+    LOCAL,
+    POLICIES,
+    UPSTREAM,
+    Decision,
+    Needs,
+    PolicyEntry,
+    Route,
+    RoutingState,
+    SharedWindows,
+    Signal,
+    build_policy,
+)
 from policies.base import PolicyDefaults
 
 

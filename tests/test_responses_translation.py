@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from gateway.api.errors import InvalidRequest
 from gateway.responses.events import ResponseEvents
 from gateway.responses.output import ResponseDraft, conversation_messages, response_of
 from gateway.responses.request import ResponsesRequest, chat_request, input_messages
+from gateway.wire.errors import InvalidRequest
 
 CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
 

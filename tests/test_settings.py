@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway.admission.tenants import TenantDirectory, key_digest
 from gateway.settings import RoutingOverride, RoutingSettings, SettingsError, draft_problem, load_settings
+from gateway.tenancy.tenants import TenantDirectory, key_digest
 from policies import POLICIES
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 from gateway.admission.chat import Admitted
 from gateway.api.chat_completions import open_chunks, sse_stream
-from gateway.api.errors import GatewayError
 from gateway.api.responses_api import _events
-from gateway.api.schemas import ChatCompletionRequest
 from gateway.decoding.decoder import Piece
 from gateway.responses.output import ResponseDraft
 from gateway.responses.request import ResponsesRequest
+from gateway.wire.errors import GatewayError
+from gateway.wire.schemas import ChatCompletionRequest
 
 
 class BrokenDecoding:
@@ -33,7 +33,7 @@ async def sse_data(admitted: Admitted) -> list[str]:
 
 async def test_error_after_the_stream_started_is_one_error_event():
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
-    admitted = Admitted("chatcmpl-x", 0, None, None, body, [BrokenDecoding()], released=True)  # holds no slot
+    admitted = Admitted("chatcmpl-x", 0, None, None, body, [BrokenDecoding()], None, released=True)  # holds no slot
     events = await sse_data(admitted)
     assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
     error = json.loads(events[-1])
@@ -49,14 +49,14 @@ async def test_gateway_error_mid_stream_keeps_its_status_type():
             raise GatewayError("the local model stopped")
 
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
-    admitted = Admitted("chatcmpl-y", 0, None, None, body, [Refusing()], released=True)
+    admitted = Admitted("chatcmpl-y", 0, None, None, body, [Refusing()], None, released=True)
     events = await sse_data(admitted)
     assert json.loads(events[-1])["error"]["message"] == "the local model stopped"
 
 
 async def test_responses_stream_error_is_an_error_event_and_nothing_completes():
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
-    admitted = Admitted("chatcmpl-z", 0, None, None, body, [BrokenDecoding()], released=True)
+    admitted = Admitted("chatcmpl-z", 0, None, None, body, [BrokenDecoding()], None, released=True)
     draft = ResponseDraft(ResponsesRequest(model="m", input="hi", stream=True))
     chunks = await open_chunks(SimpleNamespace(), admitted)
     events = [json.loads(e["data"]) async for e in _events(SimpleNamespace(), None, admitted, chunks, draft, [])]

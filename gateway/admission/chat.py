@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,20 +15,20 @@ from adapters.chat_template import TemplateError
 from adapters.grammar import GrammarUnsupported, gbnf_for
 from adapters.local_model import QueueFull
 from gateway.admission import passthrough
-from gateway.admission.budget import HandoffGate
 from gateway.admission.limits import admit_rates, admit_tokens, release
-from gateway.admission.passthrough import Blocker, Passing
-from gateway.admission.routing import policy_of, resolve_routing
-from gateway.admission.tenants import Tenant
-from gateway.api.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, quoted
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.api.streams import merged
 from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.decoder import DecodeRequest, Decoding, Piece
 from gateway.decoding.logit_rules import LogitRules
+from gateway.decoding.passing import Blocker, Passing
 from gateway.decoding.signals import Sampling
+from gateway.decoding.streams import merged
 from gateway.runtime import Alias, Runtime
 from gateway.settings import RoutingSettings
+from gateway.tenancy.budget import HandoffGate
+from gateway.tenancy.routing import policy_of, resolve_routing
+from gateway.tenancy.tenants import Tenant
+from gateway.wire.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, quoted
+from gateway.wire.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("gateway.admission.chat")
 
@@ -43,6 +43,7 @@ class Admitted:
     tenant: Tenant
     body: ChatCompletionRequest | CompletionRequest
     decodings: list[Decoding]  # one per choice (`n` of each prompt), decoded together
+    give_back_slot: Callable[[], Awaitable[None]]  # the tenant's parallel slot
     released: bool = False  # its parallel slot, once
 
     def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
@@ -50,11 +51,11 @@ class Admitted:
         choice decodes in a task of its own that never waits for the client."""
         return merged(*(decoding.pieces() for decoding in self.decodings))
 
-    async def release(self, runtime: Runtime) -> None:
+    async def release(self) -> None:
         """Give back the request's parallel slot, once, whichever path ends the request first."""
         if not self.released:
             self.released = True
-            await release(runtime, self.tenant, self.id)
+            await self.give_back_slot()
 
 
 def grammar_of(body: ChatCompletionRequest) -> str | None:
@@ -143,7 +144,8 @@ async def start(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
         raise
     prompt_tokens = sum(len(d.prompt_tokens) for d in decodings[::body.n])
     await admit_tokens(runtime, tenant, request_id, prompt_tokens + sum(d.limit for d in decodings))
-    return Admitted(request_id, int(time.time()), alias, tenant, body, decodings)
+    return Admitted(request_id, int(time.time()), alias, tenant, body, decodings,
+                    give_back_slot=lambda: release(runtime, tenant, request_id))
 
 
 def _ceilings(alias: Alias, routing: RoutingSettings, prompts: Prompts) -> list[tuple[str | None, CostCeiling | None]]:

@@ -7,10 +7,10 @@ import asyncio
 import dataclasses
 
 from adapters.store import StoreUnavailable
-from gateway.admission.budget import HandoffGate
-from gateway.admission.tenants import Tenant
-from gateway.api.errors import QuotaExceeded, RateLimited
 from gateway.runtime import Runtime
+from gateway.tenancy.budget import HandoffGate
+from gateway.tenancy.tenants import Tenant
+from gateway.wire.errors import QuotaExceeded, RateLimited
 
 
 async def admit_rates(runtime: Runtime, tenant: Tenant, gate: HandoffGate, request_id: str) -> None:

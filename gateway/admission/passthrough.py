@@ -15,21 +15,20 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from adapters.message_shapes import for_upstream
-from adapters.store import Billed, Reservation
-from adapters.upstream import Upstream, UpstreamBusy, UpstreamRejected, UpstreamUnavailable
-from gateway.admission.budget import HandoffGate
+from adapters.upstream import Upstream
 from gateway.admission.limits import admit_rates, admit_tokens, release
-from gateway.admission.tenants import Tenant
-from gateway.api.errors import GatewayError, InvalidRequest, Overloaded, QuotaExceeded, quoted
-from gateway.api.request_body import depth_of
-from gateway.api.schemas import ChatCompletionRequest, MediaPart
+from gateway.decoding.passing import Blocker, Passing
 from gateway.runtime import Alias, Runtime
 from gateway.settings import ServerSettings
+from gateway.tenancy.budget import HandoffGate
+from gateway.tenancy.tenants import Tenant
+from gateway.wire.errors import GatewayError, InvalidRequest, Overloaded, QuotaExceeded, quoted
+from gateway.wire.request_body import depth_of
+from gateway.wire.schemas import ChatCompletionRequest, MediaPart
 
 log = logging.getLogger("gateway.admission.passthrough")
 
@@ -43,21 +42,6 @@ GATEWAY_FIELDS = {"model", "routing", "continue_final_message", "add_generation_
 
 
 MEDIA = {"image_url": "image", "input_audio": "audio", "file": "file"}
-
-
-@dataclass(frozen=True)
-class Blocker:
-    """The field that keeps a request off the token-level path, and why. `reason` is the field's
-    kind without indices (a bounded metric label); `param` names the very field, for the client
-    and the logs."""
-
-    param: str
-    why: str
-    kind: str | None = None
-
-    @property
-    def reason(self) -> str:
-        return self.kind or self.param
 
 
 def blocker_of(body: ChatCompletionRequest, max_tokens_limit: int) -> Blocker | None:
@@ -83,146 +67,6 @@ def blocker_of(body: ChatCompletionRequest, max_tokens_limit: int) -> Blocker | 
         name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         return Blocker(name, f"more than the local model's limit of {max_tokens_limit} tokens needs the upstream model")
     return None
-
-
-@dataclass
-class Passing:
-    """A request admitted for pass-through, holding its budget reservation until it is settled."""
-
-    id: str
-    created: int
-    tenant: Tenant
-    body: ChatCompletionRequest
-    blocker: Blocker
-    upstream: Upstream
-    gate: HandoffGate
-    reservation: Reservation
-    params: dict[str, Any]  # what the upstream is sent (see `upstream_params`)
-    prompt_tokens: int  # the prompt as counted at admission: what a call without usage is billed
-    routing: dict[str, Any] = field(default_factory=dict)  # usage.routing, once the call is settled
-    released: bool = False  # its parallel slot, once
-
-    async def complete(self) -> dict[str, Any]:
-        """The answer as an OpenAI chat.completion body; settles the reservation."""
-        response = await self._call(stream=False)
-        body = response.model_dump()
-        await self._settle(response, _answer_text(body))
-        return self._rename(body, "chat.completion") | {"usage": self.usage()}
-
-    async def open_stream(self) -> AsyncIterator[dict[str, Any]]:
-        """Start the upstream's stream (so that a refusal is still an HTTP error) and return the
-        answer as chat.completion.chunk bodies; see `_chunks`."""
-        return self._chunks(await self._call(stream=True))
-
-    async def _chunks(self, stream: Any) -> AsyncIterator[dict[str, Any]]:
-        """The upstream's chunks renamed (the usage chunk only if the client asked for it); settles
-        the reservation when the stream ends, however it ends."""
-        usage_seen, text = None, []
-        try:
-            async for chunk in stream:
-                body = chunk.model_dump()
-                if body.get("usage"):
-                    usage_seen = chunk
-                for choice in body.get("choices") or ():
-                    text.append(_written(choice.get("delta") or {}))
-                body.pop("usage", None)
-                if body.get("choices"):
-                    yield self._rename(body, "chat.completion.chunk")
-        finally:  # also when the client left or the stream broke: bill what was written
-            # One shielded step: a cancelled stream may not await anything else after it.
-            await asyncio.shield(self._end_stream(stream, usage_seen, "".join(text)))
-        options = self.body.stream_options
-        if options is not None and options.include_usage:
-            yield self._rename({"choices": [], "usage": self.usage()}, "chat.completion.chunk")
-
-    async def _end_stream(self, stream: Any, usage_seen: Any, text: str) -> None:
-        """Close the upstream's stream (ending its answer and giving back its cache lease), then settle."""
-        try:
-            close = getattr(stream, "aclose", None)
-            if close is not None:
-                await close()
-        finally:
-            await self._settle(usage_seen, text)
-
-    async def release(self, runtime: Runtime) -> None:
-        """Give back the request's parallel slot, once."""
-        if not self.released:
-            self.released = True
-            await release(runtime, self.tenant, self.id)
-
-    def usage(self) -> dict[str, Any]:
-        """OpenAI's usage object, as billed by the upstream (known once the call is settled)."""
-        prompt, completion = self.routing["upstream_prompt_tokens"], self.routing["upstream_completion_tokens"]
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "routing": self.routing}
-
-    def header(self) -> str:
-        return f"mode=passthrough; reason={self.blocker.param}; calls=1"
-
-    async def _call(self, stream: bool) -> Any:
-        params = self.params
-        if stream:
-            params = {**params, "stream": True, "stream_options": {"include_usage": True}}
-        call = asyncio.ensure_future(self.upstream.whole.chat(params, self.gate.cache_scope))
-        try:
-            return await asyncio.shield(call)  # a client that leaves leaves the call running, to be billed
-        except UpstreamRejected as exc:
-            await asyncio.shield(self.gate.release(self.reservation))
-            raise InvalidRequest(f"the upstream refused the request: {exc}", param=self.blocker.param) from exc
-        except UpstreamBusy as exc:
-            await asyncio.shield(self.gate.release(self.reservation))
-            raise Overloaded(f"the upstream model is busy ({exc}); retry shortly") from exc
-        except UpstreamUnavailable as exc:
-            await asyncio.shield(self.gate.release(self.reservation))
-            error = GatewayError(f"the upstream model is unavailable ({exc}); retry shortly")
-            error.status, error.code = 502, "upstream_unavailable"
-            raise error from exc
-        except BaseException:
-            self.gate.finish_in_background(self.reservation, call, self._settle_unread)
-            raise
-
-    async def _settle_unread(self, response: Any) -> None:
-        """Settle a call whose client left before reading it: a whole answer as it reports, a stream
-        (closed unread) for its prompt."""
-        if hasattr(response, "__aiter__"):
-            await self._end_stream(response, None, "")
-        else:
-            await self._settle(response, _answer_text(response.model_dump()))
-
-    async def _settle(self, response: Any, text: str) -> None:
-        """Bill what the upstream reported; without its usage (a stream cut short), the prompt as
-        counted at admission and the tokens of what it wrote. Once."""
-        if self.routing:
-            return
-        usage = self.upstream.billed_usage(response)
-        prompt = usage.prompt_tokens or self.prompt_tokens
-        completion = usage.completion_tokens
-        if completion is None:
-            completion = self.upstream.whole.count_text_tokens(text)
-        cached = usage.cached_tokens
-        cost = self.upstream.estimate_cost(prompt, completion, cached)
-        self.routing = {
-            "mode": "passthrough", "passthrough_reason": self.blocker.param, "local_tokens": 0,
-            "upstream_tokens": completion, "upstream_calls": 1, "upstream_prompt_tokens": prompt,
-            "upstream_completion_tokens": completion, "upstream_cached_tokens": cached,
-            "upstream_cost_usd": round(cost, 8), "degraded": [],
-        }
-        await self.gate.settle(self.reservation, Billed(prompt, completion, cost, cached, 0.0))
-
-    def _rename(self, body: dict[str, Any], kind: str) -> dict[str, Any]:
-        """The upstream's body under this request's id, time and model name."""
-        return {**body, "id": self.id, "object": kind, "created": self.created, "model": self.body.model}
-
-
-def _answer_text(body: dict[str, Any]) -> str:
-    return "".join(_written(c.get("message") or {}) for c in body.get("choices") or ())
-
-
-def _written(message: dict[str, Any]) -> str:
-    """What a message (or a streamed delta) wrote: its content and its tool calls' arguments,
-    counted when the upstream reports no usage."""
-    calls = message.get("tool_calls") or ()
-    return (message.get("content") or "") + "".join(((c.get("function") or {}).get("arguments") or "") for c in calls)
 
 
 async def admit(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatCompletionRequest,
@@ -262,7 +106,8 @@ async def admit(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
             raise error
         raise QuotaExceeded(f"'{blocker.param}' needs the upstream model, and this tenant's upstream budget "
                             "does not cover the request")
-    return Passing(request_id, int(time.time()), tenant, body, blocker, upstream, gate, reservation, params, prompt)
+    return Passing(request_id, int(time.time()), tenant.id, body, blocker, upstream, gate, reservation, params, prompt,
+                   give_back_slot=lambda: release(runtime, tenant, request_id))
 
 
 def upstream_params(body: ChatCompletionRequest, upstream: Upstream, max_tokens: int) -> dict[str, Any]:

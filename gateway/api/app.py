@@ -14,14 +14,14 @@ from fastapi.openapi.utils import get_openapi
 from gateway import observability
 from gateway.api.chat_completions import router as chat_router
 from gateway.api.completions import router as completions_router
-from gateway.api.errors import install_error_handlers
 from gateway.api.playground import router as playground_router
 from gateway.api.responses_api import router as responses_router
 from gateway.api.routes import router
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.responses.request import ResponsesRequest
 from gateway.runtime import Runtime
 from gateway.settings import ServerSettings, Settings
+from gateway.wire.errors import install_error_handlers
+from gateway.wire.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("gateway")
 

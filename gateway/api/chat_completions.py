@@ -18,14 +18,14 @@ from starlette.requests import ClientDisconnect
 
 from gateway import observability
 from gateway.admission.chat import Admitted, admit
-from gateway.admission.passthrough import Passing
 from gateway.api.chat_bodies import chunk, completion_body, routing_header, usage_chunk
-from gateway.api.errors import ClientClosedRequest, GatewayError, InvalidRequest, param_of, quoted, sse_error_event
-from gateway.api.request_body import parse_json_body, read_body
 from gateway.api.routes import authenticate, runtime_of
-from gateway.api.schemas import ChatCompletionRequest
 from gateway.decoding.decoder import Piece
+from gateway.decoding.passing import Passing
 from gateway.runtime import Runtime
+from gateway.wire.errors import ClientClosedRequest, GatewayError, InvalidRequest, param_of, quoted, sse_error_event
+from gateway.wire.request_body import parse_json_body, read_body
+from gateway.wire.schemas import ChatCompletionRequest
 
 log = logging.getLogger("gateway.api.chat_completions")
 router = APIRouter()
@@ -77,7 +77,7 @@ def event_stream(runtime: Runtime, started: Started, events: AsyncIterator[dict]
     # background task frees the slot even when the client left before the stream started.
     return EventSourceResponse(events, sep="\n", ping=15, headers=summary_headers(started),
                                shutdown_grace_period=runtime.settings.server.drain_seconds,
-                               background=BackgroundTask(started.release, runtime))
+                               background=BackgroundTask(started.release))
 
 
 async def whole_answer(request: Request, runtime: Runtime, started: Started) -> dict:
@@ -108,13 +108,13 @@ async def open_chunks(runtime: Runtime, started: Started) -> AsyncIterator[dict]
     try:
         return await started.open_stream()
     except BaseException:
-        await asyncio.shield(started.release(runtime))
+        await asyncio.shield(started.release())
         raise
 
 
 async def finish(runtime: Runtime, started: Started) -> None:
     """Free the request's parallel slot (once) and count a pass-through; run once per request."""
-    await started.release(runtime)
+    await started.release()
     if isinstance(started, Passing):
         observability.count_passthrough(started)
 

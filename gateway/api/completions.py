@@ -14,11 +14,11 @@ from gateway import observability
 from gateway.admission.chat import Admitted, Prompts, alias_for, start
 from gateway.api.chat_bodies import usage_of
 from gateway.api.chat_completions import collected, event_stream, parse_body, sse_stream, summary_headers
-from gateway.api.errors import InvalidRequest
 from gateway.api.routes import authenticate, runtime_of
-from gateway.api.schemas import CompletionRequest
 from gateway.decoding.decoder import Piece, TokenLogprob
 from gateway.runtime import Alias
+from gateway.wire.errors import InvalidRequest
+from gateway.wire.schemas import CompletionRequest
 
 router = APIRouter()
 

@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse
 from adapters.store import ResponseQuota
 from gateway import observability
 from gateway.admission.chat import admit
-from gateway.admission.tenants import Tenant
 from gateway.api.chat_completions import (
     Started,
     event_stream,
@@ -25,13 +24,14 @@ from gateway.api.chat_completions import (
     summary_headers,
     whole_answer,
 )
-from gateway.api.errors import GatewayError
 from gateway.api.routes import authenticate, runtime_of
 from gateway.responses.events import ResponseEvents
 from gateway.responses.output import ResponseDraft, conversation_messages, response_of
 from gateway.responses.request import ResponsesRequest, chat_request, input_messages
 from gateway.responses.stored import StoredResponses
 from gateway.runtime import Runtime
+from gateway.tenancy.tenants import Tenant
+from gateway.wire.errors import GatewayError
 
 log = logging.getLogger("gateway.api.responses")
 router = APIRouter()

@@ -7,9 +7,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import AppStatus
 
-from gateway.admission.tenants import Tenant
-from gateway.api.errors import Forbidden, GatewayError, InvalidRequest, Unauthenticated, quoted
 from gateway.runtime import Runtime
+from gateway.tenancy.tenants import Tenant
+from gateway.wire.errors import Forbidden, GatewayError, InvalidRequest, Unauthenticated, quoted
 
 router = APIRouter()
 

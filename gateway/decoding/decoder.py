@@ -105,7 +105,7 @@ class Decoding(Escalation, Guessing, Appending):
         """The answer, piece by piece; the last piece releases any text still held back.
 
         Decoding advances as this is iterated; the HTTP layer drains it in a task of its own
-        (`gateway.api.streams.merged`) so that a slow client never holds up the engine's batch."""
+        (`gateway.decoding.streams.merged`) so that a slow client never holds up the engine's batch."""
         if self.upstream is not None and not self.gate.allowed:  # settled at admission
             self.calls.closed = True
             self.usage.degrade(self.gate.refusal)

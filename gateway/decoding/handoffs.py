@@ -30,7 +30,7 @@ log = logging.getLogger("gateway.decoding.handoffs")
 
 class Gate(Protocol):
     """A request's door to upstream spending and to the continuation cache, as admission hands it
-    over (gateway.admission.budget.HandoffGate). It never raises for a store fault."""
+    over (gateway.tenancy.budget.HandoffGate). It never raises for a store fault."""
 
     allowed: bool  # may this request spend upstream at all
     refusal: str  # why the last reservation (or the request) was refused

@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gateway.api.errors import InvalidRequest, param_of, quoted
-from gateway.api.schemas import ChatCompletionRequest, Open, Wire, check_schema_bounds
 from gateway.settings import RoutingOverride
+from gateway.wire.errors import InvalidRequest, param_of, quoted
+from gateway.wire.schemas import ChatCompletionRequest, Open, Wire, check_schema_bounds
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapters.store import ResponseQuota, Store, StoreUnavailable
-from gateway.api.errors import GatewayError, quoted
+from gateway.wire.errors import GatewayError, quoted
 
 log = logging.getLogger("gateway.responses")
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gateway.api.errors import InvalidRequest
 from gateway.settings import RoutingOverride, RoutingSettings, draft_problem
+from gateway.wire.errors import InvalidRequest
 from policies import POLICIES, Policy, Router, SharedWindows, build_policy
 from policies.learned import RouterError
 

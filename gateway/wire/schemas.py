@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from adapters.grammar import SchemaRefused, check_schema
-from gateway.api.errors import InvalidRequest, quoted
 from gateway.settings import RoutingOverride  # the `routing` extension: the same shape as a tenant's override
+from gateway.wire.errors import InvalidRequest, quoted
 
 
 class Wire(BaseModel):

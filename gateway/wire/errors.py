@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-log = logging.getLogger("gateway.api.errors")
+log = logging.getLogger("gateway.wire.errors")
 
 QUOTE_CHARS = 64  # the most of a client's own input an error message repeats
 MESSAGE_CHARS = 2000  # the longest message (an upstream's own words included)

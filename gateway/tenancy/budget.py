@@ -29,7 +29,7 @@ from adapters.store import (
     new_reservation,
 )
 
-log = logging.getLogger("gateway.admission.budget")
+log = logging.getLogger("gateway.tenancy.budget")
 
 
 class Ledger:

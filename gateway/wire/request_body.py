@@ -16,7 +16,7 @@ import sys
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from gateway.api.errors import InvalidRequest, quoted
+from gateway.wire.errors import InvalidRequest, quoted
 
 
 async def read_body(chunks: AsyncGenerator[bytes, None], max_bytes: int, timeout_s: float) -> bytes:
