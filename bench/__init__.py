@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from adapters.store import Limits, MemoryStore
-from gateway.admission.budget import HandoffGate, Ledger
 from gateway.decoding.decoder import DecodeRequest, Decoding
+from gateway.tenancy.budget import HandoffGate, Ledger
 
 
 def decoding_for(local: Any, upstream: Any, request: DecodeRequest) -> Decoding:

@@ -19,7 +19,7 @@ import asyncio
 import numpy as np
 
 from adapters.model_files import resolve_model
-from tests.test_local_model import greedy, load, prompt
+from bench.support import greedy, load, prompt
 
 SYSTEMS = ["You are a terse assistant who answers in French. " * 6, "You are a pirate. Speak like one, arr. " * 6,
            "Be brief.", "You are a helpful assistant."]

@@ -44,9 +44,9 @@ from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
 from adapters.upstream_server import free_port
 from bench import decoding_for, llama_batched_bench
+from bench.support import wait_http
 from gateway.decoding.decoder import DecodeRequest
 from policies import build_policy
-from tests.conftest import wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "You are a storyteller. Write vivid, flowing prose without lists or headings. " * 3

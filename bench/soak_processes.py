@@ -21,8 +21,8 @@ from redis.cluster import RedisCluster
 
 from adapters.model_files import resolve_model
 from adapters.upstream_server import forgetful_args, free_port, server_command, server_root
+from bench.support import cluster_port, wait_http
 from gateway.settings import LaunchSettings
-from tests.conftest import _cluster_port, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,7 +107,7 @@ class PrivateCluster:
 
     def __init__(self, workdir: Path) -> None:
         self._workdir = workdir / "cluster"
-        self.ports = [_cluster_port() for _ in range(3)]
+        self.ports = [cluster_port() for _ in range(3)]
         self.url = f"redis://127.0.0.1:{self.ports[0]}/0"
         self._log = (workdir / "cluster.log").open("ab")
         self._processes = {port: self._start(port) for port in self.ports}

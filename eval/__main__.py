@@ -1,4 +1,5 @@
-"""Command line: `python -m eval run|analyze|diverge|calibrate|thresholds|report`. The only place that reads argv.
+"""Command line: `python -m eval run|analyze|diverge|calibrate|thresholds|answer-check|afresh|report|costs|borrow`.
+The only place that reads argv (docs/evaluation.md; the studies' own command lines are under eval/studies/).
 
     python -m eval run --dataset csqa --rows 0:200 --run-name ref --configs local upstream entropy@1.0 oracle
     python -m eval analyze --dataset csqa --run-name ref
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from eval.datasets import DEFAULT_FILES, MAX_TOKENS, load_items, parse_rows
-from eval.records import RECORDED_FLASH_ATTN, analysis_path, parse_source
+from eval.records import RECORDED_FLASH_ATTN, RUNS_DIR, analysis_path, parse_source
 
 if TYPE_CHECKING:  # numpy and the routers load only for the commands that use them
     import numpy as np
@@ -32,7 +33,6 @@ if TYPE_CHECKING:  # numpy and the routers load only for the commands that use t
     from policies.mlp_router import MlpRouter
 
 LOCAL, UPSTREAM = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
-RUNS_DIR = Path(__file__).resolve().parent.parent / "results" / "runs"  # records apart from the harness
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +182,13 @@ def _parser() -> argparse.ArgumentParser:
     costs.add_argument("--plot", type=Path, help="write accuracy against cost per correct answer here (PNG)")
     costs.add_argument("--title", default=None, help="the plot's title")
     costs.set_defaults(command=_costs)
+
+    borrow = commands.add_parser("borrow", help="refer to another run's records of some configs instead of "
+                                                "copying them (eval/records.py, borrowed.json)")
+    _where(borrow)
+    borrow.add_argument("--from-run", required=True, help="the run whose records to refer to")
+    borrow.add_argument("--configs", nargs="+", required=True, help="the configs whose records to refer to")
+    borrow.set_defaults(command=_borrow)
     return parser
 
 
@@ -508,10 +515,9 @@ def _local_analysed_rows(args: argparse.Namespace, router: Router | MlpRouter) -
 
 def _local_hidden_rows(args: argparse.Namespace, router: Router | MlpRouter) -> tuple[np.ndarray, int]:
     """An MLP router's inputs (FEATURES and hidden state) along the local model's recorded answers,
-    teacher-forced again (eval/hidden_steps.py; cached like eval.hidden_router's rows)."""
+    teacher-forced again (eval/hidden_steps.py, cached there)."""
     from adapters.model_files import model_sha256, resolve_model
-    from eval.hidden_router import CACHE_DIR, rows_of
-    from eval.hidden_steps import HiddenForcer
+    from eval.hidden_steps import CACHE_DIR, HiddenForcer, rows_of
 
     if model_sha256(args.local) != router.model_sha256:
         raise ValueError(f"{args.router} was trained for another local model than {args.local}")
@@ -674,6 +680,16 @@ def _costs(args: argparse.Namespace) -> int:
         title = args.title or f"{args.dataset}, {args.run_name}"
         repriced_plot(records, sheets, args.plot, title, args.baseline, args.shared_prefix)
         print(f"plot: {args.plot}")
+    return 0
+
+
+def _borrow(args: argparse.Namespace) -> int:
+    from eval.records import borrow, records_path
+
+    run_dir, source = args.runs_dir / args.run_name, args.runs_dir / args.from_run
+    names = [records_path(source, args.dataset, config).name for config in args.configs]
+    for name in borrow(run_dir, source, names):
+        print(f"{run_dir.name}/{name}: borrowed from {source.name}")
     return 0
 
 

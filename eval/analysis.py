@@ -100,6 +100,20 @@ def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:
     return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
+def auroc_gain(better: np.ndarray, worse: np.ndarray, labels: np.ndarray, answers: np.ndarray,
+               resamples: int = 200, seed: int = 0) -> dict[str, float]:
+    """AUROC(better) - AUROC(worse) on these rows, with a 95% percentile bootstrap interval over
+    answers (positions of one answer are not independent)."""
+    rng = np.random.default_rng(seed)
+    rows_of_answer = [np.flatnonzero(answers == a) for a in np.unique(answers)]
+    gains = []
+    for _ in range(resamples):
+        rows = np.concatenate([rows_of_answer[i] for i in rng.integers(0, len(rows_of_answer), len(rows_of_answer))])
+        gains.append(auroc(better[rows], labels[rows]) - auroc(worse[rows], labels[rows]))
+    low, high = np.nanpercentile(gains, [2.5, 97.5])
+    return {"gain": auroc(better, labels) - auroc(worse, labels), "low": float(low), "high": float(high)}
+
+
 def summarize_analysis(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """CoF_lower overall and by position, and the AUROC of each signal for spotting a mismatch."""
     all_steps = list(steps(records))

@@ -8,7 +8,7 @@ For a target share we take the signal's quantile; for a target accuracy, the thr
 routes the fewest positions and still reaches it. The held-out rows show what the same threshold
 does on answers it was not fitted on.
 
-Caveat measured in docs/results.md: these positions lie on the upstream's answers. A live decode
+Caveat measured in docs/studies/reference.md: these positions lie on the upstream's answers. A live decode
 follows the local model's own text wherever it is not routed, where the signals differ, so the
 realised share of a threshold in a real run can differ from the teacher-forced one.
 """

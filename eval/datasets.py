@@ -25,7 +25,7 @@ DEFAULT_FILES = {
     "mbpp": "mbpp_sanitized427.jsonl",
 }
 
-# The prompts. CSQA's is the one of the project's first measurement (docs/results.md); GSM8K lets the model reason
+# The prompts. CSQA's is the one of the project's first measurement (docs/studies/reference.md); GSM8K lets the model reason
 # and asks for a last line the extractor can find (it falls back to the last number).
 CSQA_INSTRUCTION = "Answer with the letter, then explain in one sentence."
 GSM8K_INSTRUCTION = (

@@ -5,11 +5,13 @@ llama.cpp pass per chunk; the answer's positions are read with embeddings on (po
 each gives its logits (the step's FEATURES and the mismatch label, computed as the analysis
 computes them) and the hidden state the router reads there. The prompt is read with embeddings
 off: on, llama.cpp would compute logits for every prompt token too. A row is FEATURES then the hidden
-state, as policies/mlp_router.py serves it.
+state, as policies/mlp_router.py serves it. `rows_of` keeps each answer's rows in a cache outside the
+repository (they are large and can be made again).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +21,12 @@ from llama_cpp import Llama
 
 from adapters.chat_template import ChatTemplate
 from adapters.vocabulary import tokenize_parts
-from eval.datasets import Item
+from eval.datasets import Item, load_items
+from eval.records import read_records, records_path
 from gateway.decoding.signals import signal_of, token_kind
 from policies.learned import FEATURES, features
+
+CACHE_DIR = Path.home() / ".cache" / "routing-gateway" / "hidden-steps"
 
 
 @dataclass
@@ -68,3 +73,25 @@ class HiddenForcer:
                 rows.append(np.concatenate([features(signal_of(logits, position, kind_of)), hidden]))
                 labels.append(float(int(np.argmax(logits)) != reference[position]))
         return np.array(rows, dtype=np.float32).reshape(-1, len(FEATURES) + n_embd), np.array(labels)
+
+
+def rows_of(forcer: Callable[[], HiddenForcer], run_dir: Path, dataset: str, data: Path | None, rows: str | None,
+            cache: Path, config: str = "upstream") -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """(rows, mismatch labels, answer index, the answers' item ids) of every position of the run's
+    answers of `config` (the upstream's: mismatch labels; the local model's own: its live inputs),
+    cached per answer (`forcer` is called only for answers not in the cache)."""
+    references = {r["id"]: r for r in read_records(records_path(run_dir, dataset, config))}
+    items = [item for item in load_items(dataset, data, rows) if item.id in references]
+    xs, ys, answers = [], [], []
+    for index, item in enumerate(items):
+        name = f"{dataset}-{item.id}.npz" if config == "upstream" else f"{dataset}-{config}-{item.id}.npz"
+        path = cache / run_dir.name / name
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            x, y = forcer().steps(item, references[item.id]["tokens"])
+            np.savez(path, x=x, y=y)
+        stored = np.load(path)
+        xs.append(stored["x"])
+        ys.append(stored["y"])
+        answers.append(np.full(len(stored["y"]), index))
+    return np.concatenate(xs), np.concatenate(ys), np.concatenate(answers), [item.id for item in items]

@@ -70,6 +70,12 @@ def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1.0, iterations: int 
     return w[:-1], float(w[-1]), mean, scale
 
 
+def logistic_scores(weights: np.ndarray, bias: float, mean: np.ndarray, scale: np.ndarray,
+                    x: np.ndarray) -> np.ndarray:
+    """The probabilities a `fit_logistic` fit gives the rows `x`."""
+    return 1.0 / (1.0 + np.exp(-np.clip(((x - mean) / scale) @ weights + bias, -500, 500)))
+
+
 def train(records: Sequence[dict[str, Any]], shares: Sequence[float], model_sha256: str,
           meta: dict[str, Any]) -> Router:
     """A router fitted on `records`, with score thresholds for each share of their tokens."""

@@ -28,9 +28,9 @@ from eval.oracle import Oracle, local_mismatches, reanchorer
 from eval.records import append_record, configs_in, datasets_in, read_records, records_path, write_json
 from eval.session import Models
 from eval.summary import summarize
-from gateway.admission.budget import HandoffGate, Ledger
 from gateway.decoding.cost_ceiling import CostCeiling, cost_ratio
 from gateway.decoding.decoder import DecodeRequest, Decoding
+from gateway.tenancy.budget import HandoffGate, Ledger
 from policies import Policy, Signal
 
 KEEP_TOKENS = ("never", "always")  # configs whose answer token ids are kept (analysis, oracle)

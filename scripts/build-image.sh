@@ -16,31 +16,66 @@
 # upstream) and stop it.
 #
 # The last lines are machine-readable: "RESULT key=value" for build_s, size_bytes, health, chat.
+# The Debian mirror is the one this machine's apt uses (its sources.list and sources.list.d, one-line
+# or deb822, as apt itself reads them): the archive that serves bookworm, and the security archive
+# that serves bookworm-security (else the archive's /debian-security). --sources prints the apt
+# lines the base is made from and exits.
 # Environment: IMAGE (default localhost/routing-gateway:latest), BASE_IMAGE (default
-#   localhost/routing-gateway-base:bookworm, made here), MIRROR (default http://deb.debian.org),
-#   GATEWAY_CACHE (default ~/.cache/routing-gateway), LLAMA_CMAKE_ARGS (default: this CPU's flags),
-#   STORAGE_DRIVER (default vfs), CHECK_TIMEOUT_S (default 300).
+#   localhost/routing-gateway-base:bookworm, made here), MIRROR (instead of apt's sources: a host
+#   serving /debian and /debian-security: MIRROR=http://<host>), GATEWAY_CACHE (default
+#   ~/.cache/routing-gateway), LLAMA_CMAKE_ARGS (default: this CPU's flags), STORAGE_DRIVER
+#   (default vfs), CHECK_TIMEOUT_S (default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 IMAGE=${IMAGE:-localhost/routing-gateway:latest}
 BASE_IMAGE=${BASE_IMAGE:-localhost/routing-gateway-base:bookworm}
-MIRROR=${MIRROR:-http://deb.debian.org}
 CACHE=${GATEWAY_CACHE:-$HOME/.cache/routing-gateway}
 CHECK_TIMEOUT_S=${CHECK_TIMEOUT_S:-300}
 LLAMA_VERSION=0.3.36  # as in scripts/setup.sh
-SEED=1 CHECK=1 REBUILD_BASE=0
+SEED=1 CHECK=1 REBUILD_BASE=0 SOURCES=0
 for arg in "$@"; do
   case $arg in
     --no-seed) SEED=0 ;;
     --no-check) CHECK=0 ;;
     --rebuild-base) REBUILD_BASE=1 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    --sources) SOURCES=1 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "unknown argument: $arg (see --help)" >&2; exit 2 ;;
   esac
 done
 
 say() { printf '[image] %s\n' "$*"; }
+
+# The Debian archive and security archive the base is made from: MIRROR's, else the ones this
+# machine's apt uses (`apt-get indextargets` lists its sources as apt reads them, downloaded or not).
+debian_uris() {
+  if [ -n "${MIRROR:-}" ]; then
+    printf '%s %s\n' "${MIRROR%/}/debian" "${MIRROR%/}/debian-security"
+    return
+  fi
+  command -v apt-get >/dev/null || { echo "[image] error: no apt-get here: set MIRROR" >&2; return 1; }
+  apt-get indextargets --no-release-info --format '$(TARGET_OF) $(REPO_URI) $(RELEASE)' | awk '
+    $1 != "deb" { next }
+    { uri = $2; sub(/\/+$/, "", uri) }
+    $3 == "bookworm" && !archive { archive = uri }
+    $3 == "bookworm-security" && !security { security = uri }
+    uri ~ /\/debian$/ && !any_archive { any_archive = uri }
+    uri ~ /\/debian-security$/ && !any_security { any_security = uri }
+    END {
+      if (!archive) archive = any_archive  # a Debian archive for another release serves bookworm too
+      if (!archive) exit 1
+      if (!security) security = any_security
+      if (!security) { security = archive; sub(/\/debian$/, "/debian-security", security) }
+      print archive, security
+    }' || { echo "[image] error: no Debian archive in this machine's apt sources: set MIRROR" \
+                 "(a host serving /debian and /debian-security)" >&2; return 1; }
+}
+uris=$(debian_uris) || exit 1
+read -r DEBIAN_URI SECURITY_URI <<<"$uris"
+APT_LINES=("deb $DEBIAN_URI bookworm main" "deb $DEBIAN_URI bookworm-updates main"
+           "deb $SECURITY_URI bookworm-security main")
+if [ "$SOURCES" = 1 ]; then printf '%s\n' "${APT_LINES[@]}"; exit 0; fi
 [ "$(id -u)" = 0 ] || { echo "[image] error: run as root (buildah with vfs storage and chroot isolation)" >&2; exit 1; }
 export BUILDAH_ISOLATION=chroot
 BUILDAH=(buildah --storage-driver "${STORAGE_DRIVER:-vfs}")
@@ -75,9 +110,7 @@ if [ "$REBUILD_BASE" = 1 ] || ! "${BUILDAH[@]}" inspect --type image "$BASE_IMAG
       --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
       --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*' \
       --dpkgopt='path-exclude=/usr/share/locale/*' \
-      bookworm "$WORK/base.tar" \
-      "deb $MIRROR/debian bookworm main" "deb $MIRROR/debian bookworm-updates main" \
-      "deb $MIRROR/debian-security bookworm-security main" >"$WORK/mmdebstrap.log" 2>&1; then
+      bookworm "$WORK/base.tar" "${APT_LINES[@]}" >"$WORK/mmdebstrap.log" 2>&1; then
     tail -n 20 "$WORK/mmdebstrap.log" >&2; exit 1
   fi
   base=$("${BUILDAH[@]}" from scratch)

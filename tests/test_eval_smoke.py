@@ -8,17 +8,29 @@ then the FS-GEN analysis, calibration, the report table and plot. The first test
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 
+import numpy as np
 import pytest
 
 from adapters.local_model import LocalModel
-from eval.analysis import TeacherForcer, auroc, summarize_analysis
-from eval.answers import extract_choice, extract_number
+from eval.analysis import TeacherForcer, auroc, steps, summarize_analysis
+from eval.answers import extract_choice, extract_number, score
 from eval.calibrate import calibrate, evaluate_threshold, threshold_for_share
 from eval.configs import ordered, parse_config
 from eval.datasets import load_items
-from eval.records import merge_records, read_records, records_path, write_records
+from eval.records import (
+    append_record,
+    borrow,
+    borrowed,
+    configs_in,
+    datasets_in,
+    merge_records,
+    read_records,
+    records_path,
+    write_records,
+)
 from eval.report import build_rows, load, markdown_table, paired_table, plot
 from eval.runner import RunPlan, evaluate, run
 from eval.session import ModelOptions, Models, open_models, upstream_settings
@@ -74,6 +86,36 @@ def test_merging_records_replaces_those_ids_and_keeps_the_others(tmp_path):
     assert read_records(path) == [{"id": "a", "correct": False}, {"id": "b", "correct": True}, {"id": "c", "correct": True}]
 
 
+def test_a_run_borrows_another_runs_records_pinned_to_the_bytes_it_had(tmp_path):
+    source, run = tmp_path / "old", tmp_path / "new"
+    for i in range(3):
+        append_record(records_path(source, "gsm8k", "local"), {"id": f"q{i}", "correct": i == 1})
+    append_record(records_path(source, "gsm8k", "upstream"), {"id": "q0", "correct": True})
+    before = records_path(source, "gsm8k", "local").read_bytes()
+
+    assert borrow(run, source, ["gsm8k__local.jsonl"]) == ["gsm8k__local.jsonl"]
+    assert borrow(run, source, ["gsm8k__local.jsonl"]) == []  # as `cp -n`: what the run has stays
+    assert not records_path(run, "gsm8k", "local").exists()
+    assert borrowed(run) == {"gsm8k__local.jsonl": {"run": "old", "bytes": len(before),
+                                                    "sha256": hashlib.sha256(before).hexdigest()}}
+    assert read_records(records_path(run, "gsm8k", "local")) == read_records(records_path(source, "gsm8k", "local"))
+    assert list(configs_in(run, "gsm8k")) == ["local"] and datasets_in(run) == ["gsm8k"]
+
+    append_record(records_path(source, "gsm8k", "local"), {"id": "q3", "correct": True})  # the source grows
+    assert [r["id"] for r in read_records(records_path(run, "gsm8k", "local"))] == ["q0", "q1", "q2"]
+    third = tmp_path / "third"  # borrowing a borrowed file names the run that holds it
+    borrow(third, run, ["gsm8k__local.jsonl"])
+    assert borrowed(third)["gsm8k__local.jsonl"]["run"] == "old"
+
+    append_record(records_path(run, "gsm8k", "local"), {"id": "q9", "correct": False})  # writing makes it a copy
+    assert records_path(run, "gsm8k", "local").read_bytes().startswith(before)
+    assert borrowed(run) == {} and [r["id"] for r in read_records(records_path(run, "gsm8k", "local"))][-1] == "q9"
+
+    records_path(source, "gsm8k", "local").write_text("")  # the holder rewrote what it lent
+    with pytest.raises(ValueError, match="have changed"):
+        read_records(records_path(third, "gsm8k", "local"))
+
+
 def test_mcnemar_p_is_the_exact_two_sided_binomial_tail():
     assert mcnemar_p(0, 0) == 1.0
     assert mcnemar_p(6, 1) == pytest.approx(2 * 8 / 128)  # P(X <= 1), X ~ Bin(7, 1/2), doubled
@@ -119,13 +161,16 @@ async def test_harness_end_to_end(smol_models, smol_path, tmp_path):
     summary = (await run(plan, smol_models, decoded.append))["csqa"]
 
     assert len(decoded) == len(items) * len(configs)
+    by_id = {item.id: item for item in items}
     for spec in configs:
         lines = records_path(tmp_path, "csqa", spec.name).read_text().splitlines()
         assert sorted(json.loads(line)["id"] for line in lines) == sorted(item.id for item in items)
-        assert 0.0 <= summary[spec.name]["accuracy"] <= 1.0
+        records = [json.loads(line) for line in lines]
+        right = sum(score("csqa", by_id[r["id"]], r["text"]).correct for r in records)  # as the text scores
+        assert summary[spec.name]["n"] == len(items) and summary[spec.name]["accuracy"] == right / len(items)
     assert summary["local"]["upstream_share"] == 0.0 and summary["local"]["upstream_calls"] == 0
     assert summary["upstream"]["upstream_share"] == 1.0
-    assert summary["upstream"]["upstream_calls_per_item"] >= 1.0
+    assert summary["upstream"]["upstream_calls_per_item"] == 1.0  # the large model asked once per answer
     assert summary["upstream"]["billed_prompt_tokens"] > 0
     for record in read_records(records_path(tmp_path, "csqa", "oracle")):
         assert record["oracle"]["gave_up_at"] is None
@@ -149,9 +194,15 @@ async def test_harness_end_to_end(smol_models, smol_path, tmp_path):
     forcer.close()
     fs_gen = summarize_analysis(analysed)
     assert fs_gen["tokens"] == sum(len(r["tokens"]) for r in references.values())
-    assert 0.0 <= fs_gen["cof_lower"] <= 1.0
+    mismatches = sum(r["mismatch"].count("1") for r in analysed)  # positions where the local token differs
+    assert fs_gen["cof_lower"] == mismatches / fs_gen["tokens"]
     threshold = threshold_for_share(analysed[:2], "entropy", 0.5)
-    assert 0.0 <= evaluate_threshold(analysed[2:], "entropy", threshold)["upstream_share"] <= 1.0
+    fit_entropy = np.array([step["entropy"] for step in steps(analysed[:2])])
+    held_entropy = np.array([step["entropy"] for step in steps(analysed[2:])])
+    fit_share = evaluate_threshold(analysed[:2], "entropy", threshold)["upstream_share"]
+    assert fit_share == pytest.approx(0.5, abs=2 / len(fit_entropy))  # the median, to a position
+    assert evaluate_threshold(analysed[2:], "entropy", threshold)["upstream_share"] == \
+        pytest.approx(float(np.mean(held_entropy > threshold)))  # held out: the positions above it
     assert len(calibrate(analysed[:2], analysed[2:], ["entropy", "top1"], shares=[0.5], accuracies=[0.9])) == 4
 
     # the report: a table row per config (plus query-level points) and a plot

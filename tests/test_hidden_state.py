@@ -16,7 +16,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from tests.test_local_model import assert_same_greedy, greedy, load, prompt
+from bench.support import greedy, load, prompt
+from tests.test_local_model import assert_same_greedy
 
 pytestmark = pytest.mark.integration
 
@@ -123,8 +124,8 @@ async def test_teacher_forced_rows_carry_the_analysis_labels_and_features_and_th
 
 async def test_an_mlp_router_reads_the_hidden_state_the_engine_returns_while_decoding(local):
     from adapters.store import Limits, MemoryStore
-    from gateway.admission.budget import HandoffGate, Ledger
     from gateway.decoding.decoder import DecodeRequest, Decoding
+    from gateway.tenancy.budget import HandoffGate, Ledger
     from policies import build_policy
     from policies.learned import FEATURES
     from policies.mlp_router import MlpRouter

@@ -1,4 +1,4 @@
-"""The history-feature ablation (eval/history_features.py): what each position knows of the steps before."""
+"""The history-feature ablation (eval/studies/history/history_features.py): what each position knows of the steps before."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from eval.history_features import SETS, ablation, history
+from eval.studies.history.history_features import SETS, ablation, history
 from tests.fakes import synthetic
 
 

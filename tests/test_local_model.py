@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from adapters.engine import common_prefix
-from adapters.local_model import ContextOverflow, LocalModel, QueueFull
+from adapters.local_model import ContextOverflow, QueueFull
+from bench.support import greedy, load, prompt
 
 pytestmark = pytest.mark.integration
 
@@ -45,17 +46,6 @@ def assert_same_greedy(batched: tuple[list[int], list], alone: tuple[list[int], 
             return
 
 
-def prompt(local: LocalModel, system: str, user: str) -> list[int]:
-    return local.tokenize_prompt(local.template.render_parts([{"role": "system", "content": system},
-                                                              {"role": "user", "content": user}]))
-
-
-async def load(path, parallel: int = 4, queue_limit: int = 4, look_ahead: bool = True,
-               flash_attn: bool = True) -> LocalModel:
-    return await LocalModel.load(path, n_ctx=1024, n_threads=1, n_batch=256, queue_limit=queue_limit, parallel=parallel,
-                                 look_ahead=look_ahead, flash_attn=flash_attn)
-
-
 @pytest.fixture
 async def local(smol_path):
     model = await load(smol_path)
@@ -69,21 +59,6 @@ async def solo(smol_path):
     model = await load(smol_path, parallel=1)
     yield model
     model.close()
-
-
-async def greedy(local: LocalModel, tokens: list[int], steps: int, pause_every: int = 0,
-                 scope: str = "", speculate: bool = False) -> tuple[list[int], list]:
-    """`steps` greedy tokens after `tokens` on a sequence of its own (in cache `scope`), and each step's logits."""
-    out, seen = [], []
-    async with local.sequence(tokens, scope, speculate=speculate) as sequence:
-        for step in range(steps):
-            logits = await sequence.forward(tokens + out)
-            seen.append(logits)
-            out.append(int(np.argmax(logits)))
-            if pause_every and step % pause_every == pause_every - 1:
-                sequence.pause()  # as a request waiting for its upstream does
-                await asyncio.sleep(0.05)
-    return out, seen
 
 
 async def test_sequences_decoded_together_match_each_decoded_alone(local, solo):

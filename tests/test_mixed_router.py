@@ -1,4 +1,4 @@
-"""One router for mixed traffic (eval/mixed_router.py): fitted on several tasks, rated per task, with
+"""One router for mixed traffic (eval/studies/mixed/mixed_router.py): fitted on several tasks, rated per task, with
 on-policy thresholds shared by all traffic or fitted per task, or taken from traffic."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from eval.mixed_router import main
+from eval.studies.mixed.mixed_router import main
 from policies.learned import Router
 from tests.fakes import synthetic
 

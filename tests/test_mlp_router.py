@@ -12,9 +12,9 @@ import pytest
 from adapters.store import Limits, MemoryStore
 from eval.analysis import auroc
 from eval.learn_mlp import SCALARS, fit_mlp, forward, projection, reduce, train_mlp
-from gateway.admission.budget import HandoffGate, Ledger
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import signal_of
+from gateway.tenancy.budget import HandoffGate, Ledger
 from policies import LOCAL, RoutingState, build_policy
 from policies.base import PolicyDefaults
 from policies.learned import FEATURES, Router, RouterError, features
@@ -138,7 +138,7 @@ async def test_the_decoder_asks_for_the_hidden_state_only_for_a_policy_that_read
 
 
 def test_the_comparison_fits_on_train_rows_reports_on_dev_rows_and_writes_a_router(tmp_path):
-    from eval.hidden_router import main as compare_main
+    from eval.studies.hidden_state.hidden_router import main as compare_main
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"question": f"q{i}", "answer": "#### 1"}) + "\n" for i in range(40)))
@@ -168,7 +168,7 @@ def test_the_comparison_fits_on_train_rows_reports_on_dev_rows_and_writes_a_rout
 
 
 def test_divergent_labels_are_rated_on_halves_of_the_labelled_train_answers(tmp_path):
-    from eval.hidden_router import main as compare_main
+    from eval.studies.hidden_state.hidden_router import main as compare_main
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"question": f"q{i}", "answer": "#### 1"}) + "\n" for i in range(30)))
@@ -207,7 +207,7 @@ def test_divergent_labels_are_rated_on_halves_of_the_labelled_train_answers(tmp_
 
 
 def test_an_mlp_routers_thresholds_are_refitted_on_the_local_models_own_answers(trained, tmp_path, monkeypatch):
-    import eval.hidden_router
+    import eval.hidden_steps
     from adapters.model_files import model_sha256
     from eval.__main__ import main as eval_main
 
@@ -227,7 +227,7 @@ def test_an_mlp_routers_thresholds_are_refitted_on_the_local_models_own_answers(
         x[:, len(FEATURES)] += 1.0  # the live distribution differs from the training rows'
         np.savez(cache / "r" / f"gsm8k-local-gsm8k-{i}.npz", x=x.astype(np.float32), y=y)
         live.append(x)
-    monkeypatch.setattr(eval.hidden_router, "CACHE_DIR", cache)
+    monkeypatch.setattr(eval.hidden_steps, "CACHE_DIR", cache)
     out = tmp_path / "refitted.json"
     assert eval_main(["thresholds", "--dataset", "gsm8k", "--run-name", "r", "--runs-dir", str(runs),
                       "--router", str(source), "--share", "0.2", "--out", str(out), "--data", str(data),

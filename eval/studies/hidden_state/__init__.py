@@ -1,0 +1,1 @@
+"""Hidden-state routers and divergent labels (docs/studies/hidden_state.md)."""

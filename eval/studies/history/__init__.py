@@ -1,0 +1,1 @@
+"""Routing-history features: an offline ablation (docs/studies/history.md)."""
