@@ -150,10 +150,11 @@ def alias_files(settings: Settings) -> dict[str, tuple[Router | None, AnswerChec
     files = {}
     for name, alias in settings.aliases.items():
         routing, local = alias.routing, settings.models.local[alias.local]
-        needs_sha = routing.router is not None or routing.answer_check is not None
+        check_file = routing.answer_check if isinstance(routing.answer_check, str) else None
+        needs_sha = routing.router is not None or check_file is not None
         local_sha = model_sha256(local.gguf) if needs_sha else ""  # hashing a model given by path takes a while
         files[name] = (None if routing.router is None else Router.load(routing.router, local_sha),
-                       None if routing.answer_check is None else AnswerCheck.load(routing.answer_check, local_sha))
+                       None if check_file is None else AnswerCheck.load(check_file, local_sha))
     return files
 
 

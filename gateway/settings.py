@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 # The upstream branch of the tree is defined beside the upstream client (adapters import nothing
 # from the gateway); it is loaded here with the rest.
 from adapters.upstream_settings import LaunchSettings, UpstreamMode, UpstreamSettings  # noqa: F401
+from policies.agreement import AnswerFormat
 from policies.registry import POLICIES
 
 
@@ -79,6 +80,17 @@ THRESHOLD_FROM_HELP = (
     "tenant's requests to this alias, so the share holds on traffic unlike the fit rows (mixed tasks, a new task).")
 
 
+class AgreementSettings(Strict):
+    """The agreement check (policies/agreement.py): the local model's greedy answer and `samples - 1`
+    sampled ones decode together; the share of sampled answers that agree with the greedy one rates it."""
+
+    kind: Literal["agreement"] = Field(..., description="agreement: rate an answer by its own samples' agreement.")
+    samples: int = Field(4, ge=2, le=8, description="Answers decoded in all, the greedy one included.")
+    temperature: float = Field(0.7, gt=0, le=2, description="Sampling temperature of the other answers.")
+    format: AnswerFormat = Field("auto", description="How final answers are read and compared: auto, number, "
+                                 "letter, code or text (see docs/routing.md, 'The agreement check').")
+
+
 class RoutingSettings(Strict):
     policy: PolicyName = Field("entropy", description="Routing policy (see docs/routing.md).")
     threshold: float | None = Field(
@@ -118,9 +130,10 @@ class RoutingSettings(Strict):
         "afresh, and no hand-off is made before: the ones the policy wants are counted, usage.routing.draft_hand_offs, "
         "for early_escalation's running rate; needs answer_value, prices and no token or share cap). A streamed "
         "answer always continues: its text has been shown.")
-    answer_check: str | None = Field(
-        None, description="Answer check file (python -m eval answer-check), fitted for this alias's local model: "
-        "rates each finished answer's chance of being correct (usage.routing.answer_confidence).")
+    answer_check: str | AgreementSettings | None = Field(
+        None, description="Rates each finished answer (usage.routing.answer_confidence): an answer check file "
+        "(python -m eval answer-check) fitted for this alias's local model, or {kind: agreement, ...}: the share of "
+        "the local model's own sampled answers that agree with it, which needs no fitted file.")
     escalate_below: float | None = Field(
         None, ge=0, le=1, description="With answer_check: an answer that does not stream and is rated below this is "
         "thrown away and asked of the upstream afresh, in one call (usage.routing.afresh); null: never. An answer the "
@@ -212,6 +225,8 @@ class RoutingOverride(Strict):
                                           "(asked anew, no hand-off made before).")
     escalate_below: float | None = Field(None, ge=0, le=1, description="Ask the upstream afresh for an answer that "
                                          "does not stream and that the alias's answer check rates below this; 0: never.")
+    answer_check: AgreementSettings | None = Field(None, description="The agreement check for this request (a fitted "
+                                                   "check file is the configuration's to name, never a request's).")
 
 
 Unsupported = Literal["upstream", "refuse"]

@@ -23,12 +23,14 @@ from gateway.decoding.passing import Blocker, Passing
 from gateway.decoding.signals import Sampling
 from gateway.decoding.streams import merged
 from gateway.runtime import Alias, Runtime
-from gateway.settings import RoutingSettings
+from gateway.settings import AgreementSettings, RoutingSettings
 from gateway.tenancy.budget import HandoffGate
 from gateway.tenancy.routing import policy_of, resolve_routing
 from gateway.tenancy.tenants import Tenant
 from gateway.wire.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, quoted
 from gateway.wire.schemas import ChatCompletionRequest, CompletionRequest
+from policies.agreement import AgreementCheck
+from policies.answer_check import AnswerCheck
 
 log = logging.getLogger("gateway.admission.chat")
 
@@ -169,7 +171,7 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | Com
         logprobs=logprobs, top_logprobs=top_logprobs,
         rules=LogitRules.of(body.presence_penalty, body.frequency_penalty, body.logit_bias), grammar=grammar,
         ceiling=ceiling, on_ceiling=routing.on_ceiling, escalation=routing.escalation, choice=choice,
-        answer_check=alias.answer_check, escalate_below=routing.escalate_below or None, held=not body.stream,
+        answer_check=_answer_check(alias, routing), escalate_below=routing.escalate_below or None, held=not body.stream,
         answer_lengths=alias.windows(gate.tenant).answer_lengths,
     )
     try:
@@ -184,3 +186,12 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | Com
             f"{'messages' if chat else 'prompt'} use {len(decoding.prompt_tokens)}.",
             param="messages" if chat else "prompt")
     return decoding
+
+
+def _answer_check(alias: Alias, routing: RoutingSettings) -> AnswerCheck | AgreementCheck | None:
+    """The check that rates this request's answers: the agreement check its routing asks for, else
+    the alias's fitted check file (loaded at start-up)."""
+    settings = routing.answer_check
+    if isinstance(settings, AgreementSettings):
+        return AgreementCheck(settings.samples, settings.temperature, settings.format)
+    return alias.answer_check

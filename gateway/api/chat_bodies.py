@@ -39,6 +39,7 @@ def usage_of(admitted: Admitted) -> dict[str, Any]:
             "afresh": sum(u.afresh for u in usages),
             "discarded_tokens": sum(u.discarded_tokens for u in usages),
             "answer_confidence": _confidence(usages),
+            **_agreement(usages),
             "price_vetoes": sum(u.price_vetoes for u in usages),
             "draft_hand_offs": sum(u.draft_hand_offs for u in usages),
             "degraded": list(dict.fromkeys(reason for u in usages for reason in u.degraded)),
@@ -52,6 +53,16 @@ def _confidence(usages: list[Any]) -> float | list[float] | None:
     if all(r is None for r in rated):
         return None
     return rated[0] if len(rated) == 1 else rated
+
+
+def _agreement(usages: list[Any]) -> dict[str, Any]:
+    """The agreement check's figures (none without one): answers decoded per choice, each choice's
+    agreement (one value for n = 1), and the local tokens the sampled answers took."""
+    rated = [u.agreement for u in usages]
+    if all(r is None for r in rated):
+        return {}
+    return {"samples": usages[0].samples, "agreement": rated[0] if len(rated) == 1 else rated,
+            "sample_tokens": sum(u.sample_tokens for u in usages)}
 
 
 def routing_header(admitted: Admitted) -> str:

@@ -28,6 +28,7 @@ from adapters.engine import Sequence
 from adapters.grammar import Grammar
 from adapters.local_model import LocalModel
 from adapters.upstream import Continuations, Handoff
+from gateway.decoding.agreement_samples import AgreementSamples
 from gateway.decoding.appending import Appending
 from gateway.decoding.escalation import Escalation
 from gateway.decoding.guessing import Guessing
@@ -49,6 +50,7 @@ from gateway.decoding.values import (
 from policies import LOCAL as LOCAL_STEP
 from policies import UPSTREAM as UPSTREAM_STEP
 from policies import Decision, RoutingState, Signal
+from policies.agreement import AgreementCheck
 
 __all__ = ["GUESS_LIMIT", "DecodeRequest", "Decoding", "Piece", "TokenLogprob"]
 
@@ -57,13 +59,15 @@ class Decoding(Escalation, Guessing, Appending):
     """One request's decoding. Iterate `pieces()` once; then read `finish_reason` and usage."""
 
     def __init__(self, local: LocalModel, upstream: Continuations | None, gate: Gate,
-                 request: DecodeRequest) -> None:
+                 request: DecodeRequest, prompt_tokens: list[int] | None = None) -> None:
+        """Blocking (the prompt is rendered and tokenized, unless `prompt_tokens` are given): build
+        it off the event loop."""
         self.local, self.upstream, self.gate, self.request = local, upstream, gate, request
-        if request.prompt is None:
-            prompt = local.template.render_parts(request.messages, request.continue_final)
-        else:
-            prompt = [(request.prompt, True)]
-        self.prompt_tokens: list[int] = local.tokenize_prompt(prompt)
+        if prompt_tokens is None:
+            parts = [(request.prompt, True)] if request.prompt is not None else \
+                local.template.render_parts(request.messages, request.continue_final)
+            prompt_tokens = local.tokenize_prompt(parts)
+        self.prompt_tokens: list[int] = prompt_tokens
         self.limit = min(request.max_tokens, local.n_ctx - len(self.prompt_tokens))  # answer tokens
         self.answer_tokens: list[int] = []
         self.sources: list[str] = []  # where each answer token came from
@@ -87,6 +91,12 @@ class Decoding(Escalation, Guessing, Appending):
         self._hidden: np.ndarray | None = None  # the latest forward's hidden state
         self._routed_guess: Guess | None = None  # a guessed step the policy routed: the next step, decided already
         self._grammar: Grammar | None = local.grammar(request.grammar) if request.grammar else None
+        self._samples = AgreementSamples(request, request.answer_check, self._sampled) \
+            if isinstance(request.answer_check, AgreementCheck) else None
+
+    def _sampled(self, request: DecodeRequest) -> "Decoding":
+        """A local-only decoding of this prompt for the agreement check (see AgreementSamples)."""
+        return Decoding(self.local, None, self.gate, request, self.prompt_tokens)
 
     @staticmethod
     def _first_handoff(upstream: Continuations | None, request: DecodeRequest, scope: str) -> Handoff | None:
@@ -114,6 +124,8 @@ class Decoding(Escalation, Guessing, Appending):
         if self._may_route() and self.upstream.warms and self.request.policy.wants_warm_up and not self._capped_cost \
                 and not self._drafts:
             self.calls.warm_up(self._handoff)
+        if self._samples is not None:
+            self._samples.start()
         check = self.request.answer_check
         # shown once checked, or once finished when an escalation may replace it
         held: list[Piece] | None = [] if self.request.held and (check or self._escalates_afresh) else None
@@ -149,6 +161,8 @@ class Decoding(Escalation, Guessing, Appending):
             if self.request.answer_lengths is not None and self.finish_reason is not None:
                 self.request.answer_lengths.add(len(self.answer_tokens))
             await self.calls.end()
+            if self._samples is not None:
+                await self._samples.end()
             if self._grammar is not None:
                 self._grammar.close()
         tail = self.text.finish()

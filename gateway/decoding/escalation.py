@@ -26,6 +26,7 @@ from adapters.engine import Sequence
 from gateway.decoding.text_stream import TextReleaser
 from gateway.decoding.values import GRAMMAR_SPAN, LOCAL, Piece
 from policies import Signal
+from policies.agreement import AgreementCheck
 from policies.answer_check import AnswerStats
 
 
@@ -61,8 +62,14 @@ class Escalation:
     async def _checked(self, sequence: Sequence, signals: list[Signal], held: bool) -> list[Piece] | None:
         """Rate the finished answer; if it is held and below the bar, ask the upstream afresh and
         return the fresh answer's pieces (None: the answer stands)."""
-        stats = AnswerStats.of(signals, len(self.answer_tokens), self.finish_reason)
-        confidence = self.request.answer_check.confidence(stats)
+        check = self.request.answer_check
+        if isinstance(check, AgreementCheck):
+            confidence = check.confidence(bytes(self.answer_bytes).decode("utf-8", "replace"),
+                                          await self._samples.texts())
+            self.usage.samples, self.usage.agreement = check.samples, round(confidence, 4)
+            self.usage.sample_tokens = self._samples.tokens
+        else:
+            confidence = check.confidence(AnswerStats.of(signals, len(self.answer_tokens), self.finish_reason))
         self.usage.answer_confidence = round(confidence, 4)
         below = self.request.escalate_below
         if not held or below is None or confidence >= below or self.calls.closed:

@@ -15,6 +15,7 @@ from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.logit_rules import LogitRules
 from gateway.decoding.signals import Sampling
 from policies import Decision, Policy, RecentValues, Signal
+from policies.agreement import AgreementCheck
 from policies.answer_check import AnswerCheck
 
 LOCAL, UPSTREAM, CACHE = "local", "upstream", "cache"  # where an answer token came from
@@ -80,7 +81,7 @@ class DecodeRequest:
     on_ceiling: str = "local"  # local | escalate: what a hand-off past the ceiling becomes
     escalation: str = "continue"  # continue | afresh | draft: how an escalated held answer is finished
     choice: int = 0
-    answer_check: AnswerCheck | None = None  # rates the finished answer (usage.routing.answer_confidence)
+    answer_check: AnswerCheck | AgreementCheck | None = None  # rates the finished answer (usage.routing.answer_confidence)
     escalate_below: float | None = None  # a held answer rated below this is asked afresh
     held: bool = False  # nothing is shown before the answer is complete (the request does not stream)
     # the lengths of recent answers like this one (the tenant's on the alias): this answer's length
@@ -116,6 +117,9 @@ class RoutingUsage:
     afresh: bool = False  # ... for the whole answer, the local one thrown away (its tokens: discarded_tokens)
     discarded_tokens: int = 0
     answer_confidence: float | None = None  # the answer check's rating of the local answer
+    samples: int | None = None  # with the agreement check: answers decoded in all, the greedy one included
+    agreement: float | None = None  # ... the share of the sampled ones that agree with the greedy one
+    sample_tokens: int = 0  # ... the local tokens the sampled answers took
     price_vetoes: int = 0  # steps the policy wanted upstream that were not worth their predicted price
     draft_hand_offs: int = 0  # under escalation: draft, hand-offs the policy wanted, counted and not made
     predicted_cost_usd: float = 0.0  # what the calls made were expected to bill (prices and prefix reuse)

@@ -1,0 +1,57 @@
+"""The sampled answers an agreement check (policies/agreement.py) compares the greedy one with.
+
+They decode beside the greedy answer, each on a sequence of its own in the local model's batched
+engine (so `k` answers cost far less than `k` answers one after another), local only, at the
+check's temperature, from the prompt tokens the greedy answer already holds. They start with the
+answer and are awaited when it is rated; an answer that is never rated (the upstream finished it)
+stops them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from gateway.decoding.signals import Sampling
+from gateway.decoding.values import DecodeRequest
+from policies import build_policy
+from policies.agreement import AgreementCheck
+
+SEED_STRIDE = 7919  # sample i of a seeded request decodes with seed + i * this: apart from its choices' seeds
+
+
+class AgreementSamples:
+    """`check.samples - 1` local answers to `request`'s prompt, made by `decoding(request)`."""
+
+    def __init__(self, request: DecodeRequest, check: AgreementCheck, decoding: Callable[[DecodeRequest], Any]) -> None:
+        never = build_policy("never")
+        self._decodings = [decoding(dataclasses.replace(
+            request, policy=never, sampling=Sampling(check.temperature, request.sampling.top_p),
+            seed=None if request.seed is None else request.seed + i * SEED_STRIDE, answer_check=None,
+            escalate_below=None, held=False, logprobs=False, top_logprobs=0, ceiling=None, answer_lengths=None,
+        )) for i in range(1, check.samples)]
+        self._task: asyncio.Future | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(asyncio.gather(*(self._text(d) for d in self._decodings)))
+
+    async def texts(self) -> list[str]:
+        """Every sampled answer's text, once all have finished."""
+        return list(await self._task)
+
+    @property
+    def tokens(self) -> int:
+        """Answer tokens the samples decoded (local: they cost no upstream tokens)."""
+        return sum(len(d.answer_tokens) for d in self._decodings)
+
+    async def end(self) -> None:
+        """Stop samples still decoding (the answer was not rated, or its request ended)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    @staticmethod
+    async def _text(decoding: Any) -> str:
+        return "".join([piece.text async for piece in decoding.pieces()])
