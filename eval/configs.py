@@ -25,6 +25,9 @@
     local,afresh=P  <policy>@<value>,...,afresh=P
                           the answer check (--check) asks the upstream afresh for an answer whose
                           chance of being correct is below P (routing.escalate_below P)
+    local,agree=K[,afresh=P]
+                          the agreement check instead (routing.answer_check {kind: agreement,
+                          samples: K}): each answer's agreement is recorded; below P it is asked afresh
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class ConfigSpec:
     escalation: str = "continue"  # how an escalated answer is finished: continue | afresh | draft
     escalate_below: float | None = None  # the answer check's bar (afresh=P)
     threshold_from: str = "router"  # learned: the router's fitted threshold, or traffic's (from=traffic)
+    agree: int | None = None  # the agreement check's samples (agree=K), instead of the --check file
     # the recent values thresholds calibrate on, shared by all items of the config as the gateway
     # shares them by all requests of a tenant on an alias
     windows: SharedWindows = field(default_factory=SharedWindows, compare=False, repr=False)
@@ -72,6 +76,8 @@ class ConfigSpec:
         """What the report groups points by: local, upstream, oracle, afresh or the policy's name."""
         if self.policy == "never" and self.escalate_below is not None:
             return "afresh"
+        if self.agree is not None:
+            return "agree"
         return {"never": "local", "always": "upstream"}.get(self.policy, self.policy)
 
     def span(self, max_tokens: int) -> int:
@@ -92,6 +98,16 @@ class ConfigSpec:
         return build_policy(self.policy, threshold=self.value, answer_value=self.answer_value)
 
 
+def _local_checked(text: str, options: list[str]) -> ConfigSpec:
+    """'local,afresh=P', 'local,agree=K' or 'local,agree=K,afresh=P'."""
+    given = dict(option.partition("=")[::2] for option in options)
+    if not given or set(given) - {"afresh", "agree"} or not given.get("agree", "2").isdigit() \
+            or not 2 <= int(given.get("agree", "2")) <= 8:
+        raise ValueError(f"bad config {text!r}: local takes afresh=<P> and agree=<samples, 2 to 8>")
+    below = _afresh(text, "afresh=" + given["afresh"]) if "afresh" in given else None
+    return ConfigSpec(text, "never", escalate_below=below, agree=int(given["agree"]) if "agree" in given else None)
+
+
 def parse_config(text: str) -> ConfigSpec:
     """'local[,afresh=P]' | 'upstream' | 'oracle' | '<policy>@<value>[,span=N][,until=R]...' ->
     ConfigSpec; ValueError otherwise."""
@@ -99,8 +115,8 @@ def parse_config(text: str) -> ConfigSpec:
     if text in fixed:
         return ConfigSpec(text, fixed[text])
     head, *options = text.split(",")
-    if head == "local" and len(options) == 1 and options[0].startswith("afresh="):
-        return ConfigSpec(text, "never", escalate_below=_afresh(text, options[0]))
+    if head == "local" and options:
+        return _local_checked(text, options)
     policy, sep, value = head.partition("@")
     if not sep or policy not in ROUTED:
         raise ValueError(f"bad config {text!r}: use local, upstream, oracle or <{'|'.join(ROUTED)}>@<value>")

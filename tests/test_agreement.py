@@ -3,6 +3,9 @@ the greedy answer (policies/agreement.py, gateway/decoding/agreement_samples.py)
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import pytest
 from pydantic import ValidationError
 
@@ -111,3 +114,25 @@ def test_a_real_gateway_reports_the_agreement_of_its_answers(tmp_path):
             model="local", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6,
             extra_body={"routing": {"answer_check": {"kind": "agreement", "samples": 2, "format": "text"}}})
         assert asked.usage.model_extra["routing"]["samples"] == 2
+
+
+class OneSequence(FakeLocalModel):
+    """An engine of one sequence: a request waits for it while another holds it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.slots = asyncio.Semaphore(1)
+
+    @contextlib.asynccontextmanager
+    async def sequence(self, *args, **kwargs):
+        async with self.slots, super().sequence(*args, **kwargs) as sequence:
+            yield sequence
+
+
+async def test_samples_that_need_the_greedy_answers_sequence_get_it():
+    """With fewer engine sequences than answers, a greedy answer waiting for its samples while
+    holding its sequence would wait forever: it waits holding none. Two requests, one sequence."""
+    local = OneSequence(VOCAB, "Paris is nice.")
+    checked = [decoding_with_check(local, FakeUpstream("Paris is big."), AgreementCheck(samples=3)) for _ in range(2)]
+    await asyncio.wait_for(asyncio.gather(*(run(d) for d in checked)), timeout=10)
+    assert [d.usage.agreement for d in checked] == [1.0, 1.0]

@@ -3,8 +3,10 @@
 They decode beside the greedy answer, each on a sequence of its own in the local model's batched
 engine (so `k` answers cost far less than `k` answers one after another), local only, at the
 check's temperature, from the prompt tokens the greedy answer already holds. They start with the
-answer and are awaited when it is rated; an answer that is never rated (the upstream finished it)
-stops them.
+answer and are awaited when it is rated, by a greedy answer that holds no sequence meanwhile (else
+requests whose greedy answers held every sequence of the engine would wait forever for samples that
+cannot get one); an answer that is never rated (the upstream finished it) stops them. A sample that
+fails is left out of the agreement.
 """
 
 from __future__ import annotations
@@ -35,11 +37,19 @@ class AgreementSamples:
         self._task: asyncio.Future | None = None
 
     def start(self) -> None:
-        self._task = asyncio.ensure_future(asyncio.gather(*(self._text(d) for d in self._decodings)))
+        self._task = asyncio.ensure_future(
+            asyncio.gather(*(self._text(d) for d in self._decodings), return_exceptions=True))
+
+    @property
+    def finished(self) -> bool:
+        return self._task is not None and self._task.done()
+
+    async def wait(self) -> None:
+        await asyncio.wait([self._task])
 
     async def texts(self) -> list[str]:
-        """Every sampled answer's text, once all have finished."""
-        return list(await self._task)
+        """The text of every sampled answer that did not fail, once all have finished."""
+        return [text for text in await self._task if isinstance(text, str)]
 
     @property
     def tokens(self) -> int:

@@ -131,30 +131,36 @@ class Decoding(Escalation, Guessing, Appending):
         held: list[Piece] | None = [] if self.request.held and (check or self._escalates_afresh) else None
         signals: list[Signal] = []  # what the check rates
         try:
-            async with self.local.sequence(self.prompt_tokens, self.gate.cache_scope,
-                                           hidden=self.request.policy.reads_hidden,
-                                           speculate=self.request.sampling.greedy) as sequence:
-                while True:
-                    while self.finish_reason is None and not self._rating_due():
-                        answered_afresh = self.usage.afresh
-                        pieces = await self._step(sequence)
-                        if self.usage.afresh and not answered_afresh:  # the step replaced the answer
-                            held, signals = [], []
-                        for piece in pieces:
-                            if check is not None and piece.signal is not None:
-                                signals.append(piece.signal)
-                            if held is None:
-                                yield piece
-                            else:
-                                held.append(piece)
-                    if check is None or self.usage.answer_confidence is not None or self._upstream_finished:
-                        break  # no check, rated already, or the upstream's answer: the answer is finished
-                    fresh = await self._checked(sequence, signals, held is not None)
-                    if fresh is not None:
-                        held = fresh
-                    # and round again: an answer rated early decodes on (so does a fresh answer the grammar cut short)
-                for piece in held or ():
-                    yield piece
+            while True:
+                async with self.local.sequence(self.prompt_tokens, self.gate.cache_scope,
+                                               hidden=self.request.policy.reads_hidden,
+                                               speculate=self.request.sampling.greedy) as sequence:
+                    while True:
+                        while self.finish_reason is None and not self._rating_due():
+                            answered_afresh = self.usage.afresh
+                            pieces = await self._step(sequence)
+                            if self.usage.afresh and not answered_afresh:  # the step replaced the answer
+                                held, signals = [], []
+                            for piece in pieces:
+                                if check is not None and piece.signal is not None:
+                                    signals.append(piece.signal)
+                                if held is None:
+                                    yield piece
+                                else:
+                                    held.append(piece)
+                        if check is None or self.usage.answer_confidence is not None or self._upstream_finished:
+                            break  # no check, rated already, or the upstream's answer: the answer is finished
+                        if self._samples is not None and not self._samples.finished:
+                            break  # wait for them below, holding no sequence: they may need its slot
+                        fresh = await self._checked(sequence, signals, held is not None)
+                        if fresh is not None:
+                            held = fresh
+                        # and round again: an answer rated early decodes on (so does a fresh answer a grammar cut short)
+                if self._samples is None or self._samples.finished or self.usage.answer_confidence is not None:
+                    break
+                await self._samples.wait()  # then rated (and perhaps asked afresh) on a sequence taken anew
+            for piece in held or ():
+                yield piece
         finally:
             if self.request.ceiling is not None:  # the answer's length as a direct call bills it, for cost_ratio
                 self.request.ceiling.note(self.request.choice, self._direct_length + self._end_token)
