@@ -50,11 +50,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    from gateway.runtime import alias_files, check_routing
+    from gateway.runtime import alias_files, check_routing, fit_presets
 
     settings = load_settings(args.config)
     for local in settings.models.local.values():
         resolve_model(local.gguf)  # there, and a catalog model verified, as start-up needs it (not fetched)
+    for line in fit_presets(settings):
+        print(f"note: {line}", file=sys.stderr)
     routers = {name: router for name, (router, _) in alias_files(settings).items()}
     for warning in check_routing(settings, routers):
         print(f"warning: {warning}", file=sys.stderr)

@@ -16,6 +16,7 @@ from adapters.store import MemoryStore, Store
 from adapters.upstream import Continuations, Upstream, prices_of
 from adapters.upstream_server import UpstreamServer
 from adapters.vocabulary import Vocabulary
+from gateway.presets import FALLBACKS, PRESETS, ROUTER
 from gateway.settings import AliasSettings, RoutingOverride, RoutingSettings, Settings, SettingsError, UpstreamSettings
 from gateway.tenancy.budget import Ledger
 from gateway.tenancy.routing import policy_of, resolve_routing
@@ -23,6 +24,7 @@ from gateway.tenancy.tenants import TenantDirectory
 from gateway.wire.errors import InvalidRequest
 from policies import Router, SharedWindows
 from policies.answer_check import AnswerCheck
+from policies.learned import RouterError
 
 log = logging.getLogger("gateway.runtime")
 
@@ -90,6 +92,8 @@ class Runtime:
         if "AMX" in system_info():
             log.warning("this llama.cpp build uses AMX kernels, which crash where the kernel does not grant "
                         "AMX tiles; scripts/setup.sh builds without them")
+        for line in fit_presets(settings):
+            log.warning("%s", line)
         files = alias_files(settings)  # checked before models load, which takes a while
         for warning in check_routing(settings, {name: router for name, (router, _) in files.items()}):
             log.warning("%s", warning)
@@ -142,6 +146,26 @@ def make_upstream(name: str, settings: UpstreamSettings, store: Store | None = N
     template_ref = settings.template_gguf or (settings.launch.gguf if settings.launch else None)
     vocab = Vocabulary(resolve_model(template_ref)) if template_ref else None
     return Upstream(name, settings, vocab, store)
+
+
+def fit_presets(settings: Settings) -> list[str]:
+    """Give each alias whose routing preset needs a router fitted for another local model the
+    preset's fallback (gateway/presets.py), in place; a line for each, saying what it lacks."""
+    lines = []
+    for name, alias in settings.aliases.items():
+        routing = alias.routing
+        if routing.preset is None or routing.router != ROUTER:
+            continue
+        try:
+            Router.load(routing.router, model_sha256(settings.models.local[alias.local].gguf))
+        except RouterError as exc:
+            preset = PRESETS[routing.preset]  # the fields given beside it are those that differ from its values
+            given = {k: v for k, v in routing.model_dump(exclude_unset=True).items() if preset.get(k, v) != v
+                     or k not in preset}
+            alias.routing = RoutingSettings(**{**FALLBACKS[routing.preset], **given, "preset": None})
+            lines.append(f"alias '{name}': preset '{routing.preset}' has no router for its local model ({exc}); "
+                         f"it falls back to {FALLBACKS[routing.preset]}")
+    return lines
 
 
 def alias_files(settings: Settings) -> dict[str, tuple[Router | None, AnswerCheck | None]]:

@@ -19,6 +19,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 # The upstream branch of the tree is defined beside the upstream client (adapters import nothing
 # from the gateway); it is loaded here with the rest.
 from adapters.upstream_settings import LaunchSettings, UpstreamMode, UpstreamSettings  # noqa: F401
+from gateway.presets import Preset, expanded
+from gateway.shadow.config import KnobSettings, OperatorShadowSettings, ShadowSettings, TenantShadow, quality_problem
 from policies.agreement import AnswerFormat
 from policies.registry import POLICIES
 
@@ -130,6 +132,9 @@ class RoutingSettings(Strict):
         "afresh, and no hand-off is made before: the ones the policy wants are counted, usage.routing.draft_hand_offs, "
         "for early_escalation's running rate; needs answer_value, prices and no token or share cap). A streamed "
         "answer always continues: its text has been shown.")
+    preset: Preset | None = Field(
+        None, description="A named routing that measured best (gateway/presets.py, docs/routing.md 'Presets'): "
+        "token-billed or self-hosted; the fields given beside it override its values.")
     answer_check: str | AgreementSettings | None = Field(
         None, description="Rates each finished answer (usage.routing.answer_confidence): an answer check file "
         "(python -m eval answer-check) fitted for this alias's local model, or {kind: agreement, ...}: the share of "
@@ -138,10 +143,23 @@ class RoutingSettings(Strict):
         None, ge=0, le=1, description="With answer_check: an answer that does not stream and is rated below this is "
         "thrown away and asked of the upstream afresh, in one call (usage.routing.afresh); null: never. An answer the "
         "upstream finished by escalating is not rated.")
+    shadow: ShadowSettings | None = Field(None, description="Shadow answers: the upstream is also asked a sampled "
+                                          "share of this alias's requests directly, to measure agreement and cost.")
+    quality_target: float | None = Field(None, gt=0, lt=1, description="Agreement with upstream-only answers to "
+                                         "hold (needs shadow and knob): the knob moves after each window of samples.")
+    knob: KnobSettings | None = Field(None, description="The routing field a quality_target moves, and its bounds.")
+
+    @model_validator(mode="after")
+    def _quality_target(self) -> "RoutingSettings":
+        problem = quality_problem(self.shadow, self.quality_target, self.knob)
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="before")
     @classmethod
     def _policy_defaults(cls, data: Any) -> Any:
+        data = expanded(data) if isinstance(data, dict) else data
         name = data.get("policy", "entropy") if isinstance(data, dict) else None
         entry = POLICIES.get(name) if isinstance(name, str) else None  # any other value is refused below
         if entry is None:
@@ -316,6 +334,8 @@ class TenantSettings(Strict):
     on_budget_exhausted: Literal["local", "refuse"] = Field(
         "local", description="local: keep answering from the local model; refuse: 429 insufficient_quota."
     )
+    shadow: TenantShadow | None = Field(None, description="Shadow answers for this tenant: off (none of its "
+                                        "requests) or {rate: r} (its own share); null: the alias's rate.")
 
     @model_validator(mode="after")
     def _has_key(self) -> "TenantSettings":
@@ -336,6 +356,8 @@ class Settings(BaseSettings):
     store: StoreSettings = Field(default_factory=StoreSettings, description="Usage ledger, budgets and caches.")
     tenants: list[TenantSettings] = Field(default_factory=list, description="Who may call the gateway.")
     admin_key_env: str = Field("GATEWAY_ADMIN_KEY", description="Environment variable holding the admin key.")
+    shadow: OperatorShadowSettings = Field(default_factory=OperatorShadowSettings, description="Shadow answers' "
+                                           "operator budget, queue and timeline (aliases' routing.shadow).")
 
     @classmethod
     def settings_customise_sources(
@@ -352,6 +374,16 @@ class Settings(BaseSettings):
                 raise ValueError(f"aliases.{name}.local: no local model '{alias.local}'")
             if alias.upstream is not None and alias.upstream not in self.upstreams:
                 raise ValueError(f"aliases.{name}.upstream: no upstream '{alias.upstream}'")
+        return self
+
+    @model_validator(mode="after")
+    def _shadow_references(self) -> "Settings":
+        for name, alias in self.aliases.items():
+            if alias.routing.shadow is not None and alias.upstream is None:
+                raise ValueError(f"aliases.{name}.routing.shadow: the alias has no upstream to ask")
+        if any(tenant.id == self.shadow.operator for tenant in self.tenants):
+            raise ValueError(f"shadow.operator: '{self.shadow.operator}' is a client tenant; shadow calls are "
+                             "billed to an operator id of their own")
         return self
 
 

@@ -91,3 +91,35 @@ def test_each_routing_example_in_the_shipped_config_passes_for_the_reference_loc
     config["aliases"]["example"] = {"local": "qwen", "upstream": "up", "routing": yaml.safe_load(example)}
     code, out, err = check(config, tmp_path, capsys)
     assert (code, err) == (0, "") and "example" in out
+
+
+def test_a_preset_expands_as_documented_and_fields_beside_it_win():
+    from gateway.presets import PRESETS
+    from gateway.settings import RoutingSettings
+
+    billed = RoutingSettings(preset="token-billed")
+    assert {key: getattr(billed, key) for key in PRESETS["token-billed"]} == PRESETS["token-billed"] == {
+        "policy": "learned", "target_fraction": 0.05, "threshold_from": "traffic",
+        "router": "routers/mixed-qwen2.5-coder-0.5b.json", "answer_value": 1.0, "escalation": "draft"}
+    hosted = RoutingSettings(preset="self-hosted", target_fraction=0.1)
+    assert (hosted.policy, hosted.target_fraction, hosted.answer_value) == ("learned", 0.1, None)
+
+
+def test_a_preset_whose_router_is_for_another_local_model_falls_back_and_says_so(tmp_path, capsys):
+    """The embedded SmolLM2 has no fitted router: token-billed gets the agreement check instead."""
+    config = gateway_config("http://127.0.0.1:9/v1")
+    config["aliases"]["routed"]["routing"] = {"preset": "token-billed"}
+    config["aliases"]["hosted"] = {"local": "smol", "upstream": "up", "routing": {"preset": "self-hosted"}}
+    code, out, err = check(config, tmp_path, capsys)
+    assert code == 0 and "config ok" in out
+    assert "alias 'routed': preset 'token-billed' has no router for its local model" in err
+    assert "falls back to {'policy': 'never', 'answer_check': {'kind': 'agreement', 'samples': 4}" in err
+    assert "alias 'hosted': preset 'self-hosted'" in err and "'policy': 'entropy', 'threshold': 2.0" in err
+
+
+def test_a_preset_keeps_its_router_for_the_model_it_was_fitted_for(tmp_path, capsys):
+    config = gateway_config("http://127.0.0.1:9/v1")
+    config["models"]["local"]["qwen"] = {"gguf": "qwen2.5-coder-0.5b-instruct"}
+    config["aliases"]["routed"] = {"local": "qwen", "upstream": "up", "routing": {"preset": "token-billed"}}
+    code, out, err = check(config, tmp_path, capsys)
+    assert code == 0 and "config ok" in out and "falls back" not in err

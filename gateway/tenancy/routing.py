@@ -20,7 +20,7 @@ def resolve_routing(alias: RoutingSettings, *overrides: RoutingOverride | None, 
     policy, and a draft needs what can end it (`priced`: the upstream has prices); errors name
     the field as `routing.<field>`.
     """
-    merged = alias.model_dump()
+    merged = alias.model_dump(exclude={"preset"})  # expanded already: its values must not fill what an override clears
     for override in overrides:
         if override is None:
             continue
