@@ -139,7 +139,8 @@ def _parser() -> argparse.ArgumentParser:
     afresh = commands.add_parser("afresh", help="derive <base>,afresh=P records from a run's <base> and upstream "
                                                 "records (no decoding), and print how the check ranks its answers")
     _where(afresh)
-    afresh.add_argument("--check", type=Path, required=True, help="the answer check file")
+    afresh.add_argument("--check", type=Path, required=True,
+                        help="the answer check file, or 'agreement': each base record's own agreement (local,agree=K)")
     afresh.add_argument("--below", nargs="*", type=float, default=[], help="escalate_below values (P)")
     afresh.add_argument("--at-shares", action="store_true", help="also at the check's escalate_below for each share "
                                                                  "it was fitted for")
@@ -584,6 +585,26 @@ def _answer_stats(run_dir: Path, dataset: str, answers: str, records: list[dict[
     return answer_stats(records, at_tokens, analysed)
 
 
+def _afresh_by_agreement(args: argparse.Namespace, source: Path, base: list, upstream: list) -> int:
+    from eval.afresh import derived
+    from eval.records import merge_records, records_path, write_records
+
+    base = [r for r in base if r.get("agreement") is not None]
+    if not base:
+        raise ValueError(f"{args.base} records of {source.name} hold no agreement: run a local,agree=K config")
+    run_dir = args.runs_dir / args.run_name
+    if run_dir.resolve() != source.resolve():
+        for name, found in ((args.base, base), ("upstream", upstream)):
+            merge_records(records_path(run_dir, args.dataset, name), found)
+    for below in args.below:
+        name = f"{args.base},afresh={below:g}"
+        records = derived(base, upstream, None, below, name)
+        write_records(records_path(run_dir, args.dataset, name), records)
+        print(f"{name}: {sum(r['afresh'] for r in records)} of {len(records)} asked afresh, "
+              f"{sum(r['correct'] for r in records)} correct")
+    return 0
+
+
 def _afresh(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -599,6 +620,8 @@ def _afresh(args: argparse.Namespace) -> int:
         base, upstream = in_rows(base, rows), in_rows(upstream, rows)
     if not base or not upstream:
         raise ValueError(f"{source} needs {args.base} and upstream records of {args.dataset}")
+    if str(args.check) == "agreement":  # each base record's own agreement rates it (a local,agree=K run)
+        return _afresh_by_agreement(args, source, base, upstream)
     check = AnswerCheck.load(args.check)
     stats = _answer_stats(source, args.dataset, args.base, base, check.at_tokens)
     base = [r for r in base if r["id"] in stats]

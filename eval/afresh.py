@@ -68,11 +68,12 @@ def prefix_stats(analysis: dict[str, Any], record: dict[str, Any], k: int | None
                        whole and record["finish_reason"] == "length")
 
 
-def derived(base: Sequence[dict[str, Any]], upstream: Sequence[dict[str, Any]], check: AnswerCheck,
+def derived(base: Sequence[dict[str, Any]], upstream: Sequence[dict[str, Any]], check: AnswerCheck | None,
             escalate_below: float, name: str, stats: dict[str, AnswerStats] | None = None) -> list[dict[str, Any]]:
     """The records of config `name` (`<base>,afresh=<escalate_below>`) on the items both runs answered.
     `stats`: what the check rated of each answer, by id (default: the whole answer, as recorded); an
-    answer rated on its first tokens is escalated after those, its time counted pro rata."""
+    answer rated on its first tokens is escalated after those, its time counted pro rata. Without a
+    `check`, each base record's own `agreement` rates it (a `local,agree=K` run's agreement check)."""
     fresh = {r["id"]: r for r in upstream}
     stats = stats if stats is not None else answer_stats(base)
     records = []
@@ -80,7 +81,7 @@ def derived(base: Sequence[dict[str, Any]], upstream: Sequence[dict[str, Any]], 
         if record["id"] not in fresh:
             continue
         rated = stats[record["id"]]
-        confidence = check.confidence(rated)
+        confidence = record["agreement"] if check is None else check.confidence(rated)
         if confidence < escalate_below and not record.get("escalated"):  # the upstream finished it already
             out = _escalated(record, fresh[record["id"]], rated.answer_tokens)
         else:
