@@ -217,9 +217,20 @@ def test_afresh_configs_parse_and_bad_ones_are_refused():
     assert local.policy == "never" and local.escalate_below == 0.3 and local.uses_upstream and local.family == "afresh"
     routed = parse_config("learned@0.05,afresh=0.25")
     assert routed.policy == "learned" and routed.escalate_below == 0.25
-    for bad in ("local,afresh=2", "local,span=3", "upstream,afresh=0.3"):
+    for bad in ("local,afresh=2", "local,span=3", "upstream,afresh=0.3", "local,agree=1", "local,agree=x"):
         with pytest.raises(ValueError):
             parse_config(bad)
+    agreed = parse_config("local,agree=4,afresh=0.5")
+    assert (agreed.agree, agreed.escalate_below, agreed.family) == (4, 0.5, "afresh")
+    assert parse_config("local,agree=3").family == "agree" and not parse_config("local,agree=3").uses_upstream
+
+
+def test_derived_records_of_the_agreement_check_read_each_answers_own_agreement():
+    local = [{**r, "agreement": a} for r, a in zip(records(4), (0.0, 0.3333, 0.6667, 1.0))]
+    upstream = [{**r, "text": "upstream"} for r in local]
+    out = derived(local, upstream, None, 0.5, "local,agree=4,afresh=0.5")
+    assert [r["afresh"] for r in out] == [True, True, False, False]
+    assert [r["answer_confidence"] for r in out] == [0.0, 0.3333, 0.6667, 1.0]
 
 
 # -- against a live gateway whose upstream is a real llama-server (tokens mode) --
