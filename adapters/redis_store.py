@@ -16,6 +16,9 @@ tenant as their hash tag, so one Redis Cluster slot holds them all:
   {p}:{cache:}:index                  zset of cache keys; the oldest go past `cache_max_entries`
   {p}:{slots:<server>}:state          hash: an upstream server's slot -> JSON {scope, key, used,
                                       held until, lease id} (slot leases, shared by every replica)
+  {p}:{quality:}:totals:{alias}       hash: shadow-answer counters (gateway/shadow/figures.py), counts only
+  {p}:{quality:}:bucket:{alias}:{n}   hash: samples, agreed in time bucket n, for the timeline's TTL
+  {p}:{quality:}:knob:{knob}          hash: a quality target's knob value, moves, its window (n, a)
 Reservations are taken by a Lua script, so concurrent requests in any number of processes cannot
 together pass a limit; settlement is another script, exactly-once per reservation id.
 
@@ -33,7 +36,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -239,7 +242,28 @@ end
 return 0
 """
 
+# One shadow sample into a knob's pooled window. KEYS: the knob's hash. ARGV: agreed (0/1), window
+# size. Returns {samples, agreed} to the one call that fills the window (and empties it), else nil.
+KNOB_WINDOW_LUA = """
+local n = redis.call('HINCRBY', KEYS[1], 'n', 1)
+local a = redis.call('HINCRBY', KEYS[1], 'a', ARGV[1])
+if n < tonumber(ARGV[2]) then return nil end
+redis.call('HSET', KEYS[1], 'n', 0, 'a', 0)
+return {n, a}
+"""
+
+# Move a knob within its bounds. KEYS: the knob's hash. ARGV: initial, delta, floor, ceiling.
+# Returns {before, after} as strings (a Lua number would come back truncated to an integer).
+KNOB_MOVE_LUA = """
+local before = tonumber(redis.call('HGET', KEYS[1], 'value') or ARGV[1])
+local after = math.min(tonumber(ARGV[4]), math.max(tonumber(ARGV[3]), before + tonumber(ARGV[2])))
+redis.call('HSET', KEYS[1], 'value', string.format('%.17g', after))
+if after ~= before then redis.call('HINCRBY', KEYS[1], 'moves', 1) end
+return {string.format('%.17g', before), string.format('%.17g', after)}
+"""
+
 CACHE_TAG = "cache:"
+QUALITY_TAG = "quality:"  # every shadow counter and knob in one Cluster slot: one pipeline writes them
 SETTLED_MEMORY_S = 2 * 86_400
 T = TypeVar("T")
 log = logging.getLogger("gateway.store")
@@ -272,6 +296,8 @@ class RedisStore:
         self._slot_release_script = self._redis.register_script(SLOT_RELEASE_LUA)
         self._response_put_script = self._redis.register_script(RESPONSE_PUT_LUA)
         self._response_delete_script = self._redis.register_script(RESPONSE_DELETE_LUA)
+        self._knob_window_script = self._redis.register_script(KNOB_WINDOW_LUA)
+        self._knob_move_script = self._redis.register_script(KNOB_MOVE_LUA)
         self._failures = 0  # consecutive; only touched on the event loop
         self._skip_until = 0.0
         self._cluster = cluster
@@ -440,6 +466,49 @@ class RedisStore:
     async def slot_release(self, server: str, lease: SlotLease, erased: bool = True) -> None:
         keys, args = [self._key(f"slots:{server}", "state")], [lease.slot, lease.lease, int(erased)]
         await self._run(lambda: self._slot_release_script(keys=keys, args=args))
+
+    async def quality_add(self, alias: str, counts: Mapping[str, float], bucket: int | None = None,
+                          bucket_counts: Mapping[str, float] | None = None, bucket_ttl_s: float = 0.0) -> None:
+        def add() -> Any:
+            pipe = self._redis.pipeline(transaction=True)
+            totals = self._key(QUALITY_TAG, "totals", alias)
+            for name, value in counts.items():
+                pipe.hincrbyfloat(totals, name, value)
+            if bucket is not None and bucket_counts:
+                key = self._key(QUALITY_TAG, "bucket", alias, bucket)
+                for name, value in bucket_counts.items():
+                    pipe.hincrbyfloat(key, name, value)
+                pipe.expire(key, max(1, int(bucket_ttl_s)))
+            return pipe.execute()
+
+        await self._run(add)
+
+    async def quality_read(self, alias: str, buckets: Sequence[int] = ()) -> tuple[dict[str, float],
+                                                                                 list[dict[str, float]]]:
+        def read() -> list[dict[str, str]]:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hgetall(self._key(QUALITY_TAG, "totals", alias))
+            for bucket in buckets:
+                pipe.hgetall(self._key(QUALITY_TAG, "bucket", alias, bucket))
+            return pipe.execute()
+
+        rows = [{name: float(value) for name, value in row.items()} for row in await self._run(read)]
+        return rows[0], rows[1:]
+
+    async def knob_window(self, knob: str, agreed: bool, size: int) -> tuple[int, int] | None:
+        keys = [self._key(QUALITY_TAG, "knob", knob)]
+        window = await self._run(lambda: self._knob_window_script(keys=keys, args=[int(agreed), size]))
+        return None if window is None else (int(window[0]), int(window[1]))
+
+    async def knob_move(self, knob: str, initial: float, delta: float, floor: float,
+                        ceiling: float) -> tuple[float, float]:
+        keys, args = [self._key(QUALITY_TAG, "knob", knob)], [repr(initial), repr(delta), repr(floor), repr(ceiling)]
+        before, after = await self._run(lambda: self._knob_move_script(keys=keys, args=args))
+        return float(before), float(after)
+
+    async def knob_read(self, knob: str) -> float | None:
+        value = await self._run(lambda: self._redis.hget(self._key(QUALITY_TAG, "knob", knob), "value"))
+        return None if value is None else float(value)
 
     async def ping(self) -> bool:
         try:

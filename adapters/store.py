@@ -21,6 +21,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
@@ -239,6 +240,28 @@ class Store(Protocol):
         """Free a held slot; `erased=False` after a failed erase (its next holder erases it).
         `lease.slot` -1: whichever slot that lease id holds (a lease whose reply was lost)."""
 
+    async def quality_add(self, alias: str, counts: Mapping[str, float], bucket: int | None = None,
+                          bucket_counts: Mapping[str, float] | None = None, bucket_ttl_s: float = 0.0) -> None:
+        """Add `counts` to the alias's shadow-answer counters, and `bucket_counts` to its time bucket
+        `bucket` (kept for `bucket_ttl_s`), in one step: every replica's samples pool here. Counts
+        only: no text is ever written."""
+
+    async def quality_read(self, alias: str, buckets: Sequence[int] = ()) -> tuple[dict[str, float],
+                                                                                 list[dict[str, float]]]:
+        """The alias's shadow counters, and each of `buckets`' ({} where it has none)."""
+
+    async def knob_window(self, knob: str, agreed: bool, size: int) -> tuple[int, int] | None:
+        """Count one shadow sample into the knob's window, pooled over replicas; the call that fills
+        it to `size` empties it and gets its (samples, agreed): exactly one caller per window."""
+
+    async def knob_move(self, knob: str, initial: float, delta: float, floor: float,
+                        ceiling: float) -> tuple[float, float]:
+        """Move the knob (at `initial` until first moved) by `delta`, never past floor..ceiling;
+        (before, after)."""
+
+    async def knob_read(self, knob: str) -> float | None:
+        """The knob's value, None until first moved."""
+
     async def ping(self) -> bool: ...
 
     async def close(self) -> None: ...
@@ -273,6 +296,9 @@ class MemoryStore:
     _tenant_responses: dict[str, tuple[int, int]] = field(default_factory=dict)  # tenant -> (count, bytes)
     _kept_bytes: int = 0  # of stored responses and cached continuations
     _slots: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)  # server -> slot -> state
+    _quality: dict[str, dict[str, float]] = field(default_factory=dict)  # alias -> shadow counters
+    _quality_buckets: dict[tuple[str, int], tuple[dict[str, float], float]] = field(default_factory=dict)
+    _knobs: dict[str, dict[str, float]] = field(default_factory=dict)  # knob -> value, window counts
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def _window(self, tenant: str, period: str, start: str) -> _Window:
@@ -474,8 +500,51 @@ class MemoryStore:
             if state is not None and state["l"] == lease.lease:
                 state.update(b=0.0, s=state["s"] if erased else UNKNOWN_SCOPE)
 
+    async def quality_add(self, alias: str, counts: Mapping[str, float], bucket: int | None = None,
+                          bucket_counts: Mapping[str, float] | None = None, bucket_ttl_s: float = 0.0) -> None:
+        _add(self._quality.setdefault(alias, {}), counts)
+        if bucket is None or not bucket_counts:
+            return
+        now = time.time()
+        if (alias, bucket) not in self._quality_buckets:  # a new bucket: drop the expired ones first
+            for key in [k for k, (_, expires) in self._quality_buckets.items() if expires <= now]:
+                del self._quality_buckets[key]
+        held, _ = self._quality_buckets.get((alias, bucket), ({}, 0.0))
+        self._quality_buckets[(alias, bucket)] = (_add(held, bucket_counts), now + bucket_ttl_s)
+
+    async def quality_read(self, alias: str, buckets: Sequence[int] = ()) -> tuple[dict[str, float],
+                                                                                 list[dict[str, float]]]:
+        now = time.time()
+        found = [self._quality_buckets.get((alias, bucket), ({}, 0.0)) for bucket in buckets]
+        return dict(self._quality.get(alias, {})), [dict(counts) if expires > now else {} for counts, expires in found]
+
+    async def knob_window(self, knob: str, agreed: bool, size: int) -> tuple[int, int] | None:
+        state = self._knobs.setdefault(knob, {})
+        _add(state, {"n": 1, "a": int(agreed)})
+        if state["n"] < size:
+            return None
+        window = (int(state["n"]), int(state["a"]))
+        state.update(n=0, a=0)
+        return window
+
+    async def knob_move(self, knob: str, initial: float, delta: float, floor: float,
+                        ceiling: float) -> tuple[float, float]:
+        state = self._knobs.setdefault(knob, {})
+        before = state.get("value", initial)
+        state["value"] = min(ceiling, max(floor, before + delta))
+        return before, state["value"]
+
+    async def knob_read(self, knob: str) -> float | None:
+        return self._knobs.get(knob, {}).get("value")
+
     async def ping(self) -> bool:
         return True
 
     async def close(self) -> None:
         return None
+
+
+def _add(into: dict[str, float], counts: Mapping[str, float]) -> dict[str, float]:
+    for key, value in counts.items():
+        into[key] = into.get(key, 0.0) + value
+    return into

@@ -6,7 +6,9 @@ route's template, `/v1/responses/{response_id}`, never the path a client sent) a
 that route serves), `alias` (a configured alias name, or "unknown"), `status` (the HTTP status
 class), `source` (local/upstream/cache) and `reason` (an error code, a `usage.routing.degraded`
 reason, or the kind of field that sent a request through: `tool_result`, never
-`messages[41].role`). Tenant ids, keys and prompt text never become labels, and neither keys nor
+`messages[41].role`). Tenant ids, keys and prompt text never become labels (one exception: the
+shadow answers' series, gateway/shadow/metrics.py, carry `tenant` while the gateway has at most
+`shadow.tenant_labels` tenants), and neither keys nor
 prompts are logged: log lines carry ids, counts and timings only, and a last-resort filter masks
 anything that looks like a bearer key.
 
@@ -38,6 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from adapters.pricing import Prices
 from adapters.upstream import Continuation, Handoff, Upstream
 from gateway.decoding.cost_ceiling import cost_ratio
+from gateway.shadow.metrics import ShadowCollector
 from gateway.wire.errors import GatewayError, Unauthenticated
 
 if TYPE_CHECKING:  # for annotations only: the CLI imports this module for its logging, not the admission code
@@ -93,6 +96,7 @@ class Metrics:
         self._upstream_metrics(r)
         r.register(_QueueDepth(self))
         r.register(_EngineCounters(self))
+        r.register(ShadowCollector(lambda: getattr(self.runtime, "shadow", None)))
         self.runtime: Runtime | None = None  # set by `instrument`; read by the scrape-time collectors
 
     def _upstream_metrics(self, r: CollectorRegistry) -> None:

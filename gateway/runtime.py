@@ -18,6 +18,7 @@ from adapters.upstream_server import UpstreamServer
 from adapters.vocabulary import Vocabulary
 from gateway.presets import FALLBACKS, PRESETS, ROUTER
 from gateway.settings import AliasSettings, RoutingOverride, RoutingSettings, Settings, SettingsError, UpstreamSettings
+from gateway.shadow.service import Shadow
 from gateway.tenancy.budget import Ledger
 from gateway.tenancy.routing import policy_of, resolve_routing
 from gateway.tenancy.tenants import TenantDirectory
@@ -67,6 +68,7 @@ class Runtime:
     servers: list[UpstreamServer] = field(default_factory=list)
     background: list[asyncio.Task] = field(default_factory=list)  # ledger flusher, child supervisors
     closed: bool = False
+    shadow: Shadow | None = None  # shadow answers and quality targets (gateway/shadow/), if an alias has them
 
     @classmethod
     async def start(cls, settings: Settings, environ: Mapping[str, str] | None = None) -> "Runtime":
@@ -86,6 +88,8 @@ class Runtime:
             raise
         runtime.background.append(asyncio.create_task(runtime.ledger.keep_flushing()))
         runtime.background.extend(asyncio.create_task(server.supervise()) for server in runtime.servers)
+        if runtime.shadow is not None:
+            runtime.background.extend(asyncio.create_task(work) for work in runtime.shadow.tasks())
         return runtime
 
     async def _load(self, settings: Settings) -> None:
@@ -106,6 +110,7 @@ class Runtime:
         for name, alias in settings.aliases.items():
             upstream = upstreams[alias.upstream] if alias.upstream else None
             self.aliases[name] = Alias(name, self.local_models[alias.local], upstream, alias, *files[name])
+        self.shadow = Shadow.of(settings, self.aliases, self.ledger)
         if not await self.ledger.store.ping():
             host = settings.store.url.rsplit("@", 1)[-1]  # never log a password
             log.warning("store at %s does not answer: serving local-only until it does", host)
@@ -124,6 +129,12 @@ class Runtime:
                 update.update(kind="llama-cpp-python")
             settings = settings.model_copy(update=update)
         return make_upstream(name, settings, self.ledger.store)
+
+    def routing_of(self, alias: Alias) -> RoutingSettings:
+        """The alias's routing as a request starts from it: its quality target's knob, if any, at the
+        value the controller holds now (tenant and request overrides still apply on top)."""
+        routing = alias.settings.routing
+        return self.shadow.routing_of(alias.name, routing) if self.shadow is not None else routing
 
     async def close(self) -> None:
         """Stop child servers, free models, close the store. Safe to call twice."""

@@ -182,6 +182,13 @@ class RoutingSettings(Strict):
         return self
 
 
+def knob_reads(field: str, policy: str, checked: bool) -> bool:
+    """Whether moving routing `field` changes what `policy` does (escalate_below: with an answer check)."""
+    if field == "escalate_below":
+        return checked
+    return any(field in need.fields for need in POLICIES[policy].needs)
+
+
 def draft_problem(routing: Mapping[str, Any], priced: bool = True) -> str | None:
     """Why a draft (`escalation: draft`) could never be asked afresh under these routing fields,
     for an upstream that is `priced` (None: it could, or nothing drafts). Only the price rule's
@@ -379,8 +386,16 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _shadow_references(self) -> "Settings":
         for name, alias in self.aliases.items():
-            if alias.routing.shadow is not None and alias.upstream is None:
+            routing = alias.routing
+            if routing.shadow is not None and alias.upstream is None:
                 raise ValueError(f"aliases.{name}.routing.shadow: the alias has no upstream to ask")
+            knob = routing.knob
+            if knob is not None and not knob_reads(knob.field, routing.policy, routing.answer_check is not None):
+                unread = f"{knob.field} without an answer_check" if knob.field == "escalate_below" else knob.field
+                raise ValueError(f"aliases.{name}.routing.knob.field: policy '{routing.policy}' does not read {unread}")
+            if knob is not None and knob.quality_sign(routing.policy) is None:
+                raise ValueError(f"aliases.{name}.routing.knob.more_quality: say whether raising or lowering "
+                                 f"{knob.field} buys agreement under policy '{routing.policy}'")
         if any(tenant.id == self.shadow.operator for tenant in self.tenants):
             raise ValueError(f"shadow.operator: '{self.shadow.operator}' is a client tenant; shadow calls are "
                              "billed to an operator id of their own")

@@ -126,7 +126,7 @@ async def start(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
         raise InvalidRequest(f"logit_bias names a token id outside the local model's vocabulary of "
                              f"{alias.local.n_vocab}", param="logit_bias")
     max_tokens = body.requested_max_tokens or runtime.settings.server.default_max_tokens
-    routing = resolve_routing(alias.settings.routing, tenant.settings.routing, body.routing, priced=alias.priced)
+    routing = resolve_routing(runtime.routing_of(alias), tenant.settings.routing, body.routing, priced=alias.priced)
     try:
         alias.local.check_admission()
     except QueueFull as exc:

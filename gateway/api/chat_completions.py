@@ -23,6 +23,7 @@ from gateway.api.routes import authenticate, runtime_of
 from gateway.decoding.decoder import Piece
 from gateway.decoding.passing import Passing
 from gateway.runtime import Runtime
+from gateway.shadow.cases import case_of
 from gateway.wire.errors import ClientClosedRequest, GatewayError, InvalidRequest, param_of, quoted, sse_error_event
 from gateway.wire.request_body import parse_json_body, read_body
 from gateway.wire.schemas import ChatCompletionRequest
@@ -68,7 +69,7 @@ async def chat_completions(request: Request):
         chunks = await open_chunks(runtime, started)
         return event_stream(runtime, started, sse_stream(runtime, started, chunks))
     answer = await whole_answer(request, runtime, started)
-    return JSONResponse(answer, headers=summary_headers(started))
+    return JSONResponse(answer, headers=summary_headers(started), background=shadow_task(runtime, started))
 
 
 def event_stream(runtime: Runtime, started: Started, events: AsyncIterator[dict]) -> EventSourceResponse:
@@ -119,6 +120,25 @@ async def finish(runtime: Runtime, started: Started) -> None:
         observability.count_passthrough(started)
 
 
+async def offer_shadow(runtime: Runtime, started: Started) -> None:
+    """Offer a finished token-level answer for a shadow answer (gateway/shadow). Called only once
+    the client has the whole answer; it never waits for the shadow call."""
+    shadow = getattr(runtime, "shadow", None)  # a runtime without one (a test's) shadows nothing
+    if shadow is not None and isinstance(started, Admitted):
+        shadow.offer(case_of(started))
+
+
+def shadow_task(runtime: Runtime, started: Started) -> BackgroundTask | None:
+    """`offer_shadow` as a JSON response's background task: it runs after the body is sent."""
+    return BackgroundTask(offer_shadow, runtime, started) if getattr(runtime, "shadow", None) else None
+
+
+async def finish_stream(runtime: Runtime, started: Started) -> None:
+    """`finish` a stream, then `offer_shadow` it: the stream has ended, the client has it all."""
+    await finish(runtime, started)
+    await offer_shadow(runtime, started)
+
+
 def summary_headers(started: Started) -> dict[str, str]:
     """The `x-routing-summary` header (a token-level stream's summary is known only at its end)."""
     if isinstance(started, Passing):
@@ -130,7 +150,7 @@ def summary_headers(started: Started) -> dict[str, str]:
 
 def sse_stream(runtime: Runtime, started: Started, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
     """The SSE events of a started request's chunks (see `framed`); `finish` runs at the end."""
-    return framed(chunks, started.id, _failure(started), lambda: finish(runtime, started))
+    return framed(chunks, started.id, _failure(started), lambda: finish_stream(runtime, started))
 
 
 def _failure(started: Started) -> str:

@@ -13,7 +13,14 @@ from fastapi.responses import JSONResponse
 from gateway import observability
 from gateway.admission.chat import Admitted, Prompts, alias_for, start
 from gateway.api.chat_bodies import usage_of
-from gateway.api.chat_completions import collected, event_stream, parse_body, sse_stream, summary_headers
+from gateway.api.chat_completions import (
+    collected,
+    event_stream,
+    parse_body,
+    shadow_task,
+    sse_stream,
+    summary_headers,
+)
 from gateway.api.routes import authenticate, runtime_of
 from gateway.decoding.decoder import Piece, TokenLogprob
 from gateway.runtime import Alias
@@ -38,7 +45,8 @@ async def completions(request: Request):
     pieces = await collected(request, runtime, admitted)
     choices = [_choice(admitted, i, texts, chosen, decoding.finish_reason)
                for i, (decoding, chosen) in enumerate(zip(admitted.decodings, pieces))]
-    return JSONResponse(_body(admitted, choices, usage_of(admitted)), headers=summary_headers(admitted))
+    return JSONResponse(_body(admitted, choices, usage_of(admitted)), headers=summary_headers(admitted),
+                        background=shadow_task(runtime, admitted))
 
 
 def prompt_text(alias: Alias, prompt: str | list[int], index: int) -> str:

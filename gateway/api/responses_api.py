@@ -18,9 +18,10 @@ from gateway.admission.chat import admit
 from gateway.api.chat_completions import (
     Started,
     event_stream,
-    finish,
+    finish_stream,
     open_chunks,
     parse_body,
+    shadow_task,
     summary_headers,
     whole_answer,
 )
@@ -61,7 +62,7 @@ async def create_response(request: Request):
         return event_stream(runtime, started, _events(runtime, tenant, started, chunks, draft, turns))
     response = response_of(draft, await whole_answer(request, runtime, started))
     await _keep(runtime, tenant, response, turns)
-    return JSONResponse(response, headers=summary_headers(started))
+    return JSONResponse(response, headers=summary_headers(started), background=shadow_task(runtime, started))
 
 
 @router.get("/v1/responses/{response_id}")
@@ -106,7 +107,7 @@ async def _events(runtime: Runtime, tenant: Tenant, started: Started, chunks: As
         yield _sse(events.error(GatewayError("internal error while answering; the gateway logged the details").body()))
     finally:
         await asyncio.shield(chunks.aclose())  # a client that left: stop decoding and upstream spending now
-        await asyncio.shield(finish(runtime, started))
+        await asyncio.shield(finish_stream(runtime, started))
 
 
 def _sse(event: dict[str, Any]) -> dict[str, str]:

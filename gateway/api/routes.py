@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette.sse import AppStatus
 
 from gateway.runtime import Runtime
+from gateway.shadow.report import MAX_MINUTES, quality_report
 from gateway.tenancy.tenants import Tenant
 from gateway.wire.errors import Forbidden, GatewayError, InvalidRequest, Unauthenticated, quoted
 
@@ -51,20 +52,50 @@ async def tenant_usage(request: Request):
     return await _usage(runtime_of(request), tenant)
 
 
-@router.get("/admin/tenants/{tenant_id}/usage")
-async def admin_usage(tenant_id: str, request: Request):
+def require_admin(request: Request) -> None:
+    """Pass the admin key; a tenant's key is a 403, anything else a 401."""
     runtime = runtime_of(request)
     key = bearer_key(request)
     if not runtime.tenants.is_admin(key):
         if runtime.tenants.authenticate(key) is not None:
             raise Forbidden("This endpoint needs the admin key.")
         raise Unauthenticated("Incorrect API key provided.")
+
+
+@router.get("/admin/tenants/{tenant_id}/usage")
+async def admin_usage(tenant_id: str, request: Request):
+    runtime = runtime_of(request)
+    require_admin(request)
     tenant = runtime.tenants.by_id.get(tenant_id)
     if tenant is None:
         error = InvalidRequest(f"no tenant '{quoted(tenant_id)}'", param="tenant_id")
         error.status, error.code = 404, "not_found"
         raise error
     return await _usage(runtime, tenant)
+
+
+@router.get("/admin/quality")
+async def admin_quality(request: Request, alias: str | None = None, minutes: str = "60"):
+    """Shadow answers' figures per alias and tenant (gateway/shadow/report.py), for the admin key."""
+    from adapters.store import StoreUnavailable
+
+    runtime = runtime_of(request)
+    require_admin(request)
+    if not (minutes.isascii() and minutes.isdigit() and 1 <= int(minutes) <= MAX_MINUTES):
+        raise InvalidRequest(f"minutes must be a whole number from 1 to {MAX_MINUTES}", param="minutes")
+    shadow = runtime.shadow
+    if alias is not None and (shadow is None or alias not in shadow.lanes):
+        error = InvalidRequest(f"no alias '{quoted(alias)}' with shadow answers", param="alias")
+        error.status, error.code = 404, "not_found"
+        raise error
+    if shadow is None:
+        return {"object": "quality", "aliases": []}
+    try:
+        return await quality_report(shadow, runtime.ledger.clock(), alias, int(minutes))
+    except StoreUnavailable as exc:
+        error = GatewayError("the store is unreachable; retry shortly")
+        error.status, error.code = 503, "store_unavailable"
+        raise error from exc
 
 
 async def _usage(runtime: Runtime, tenant: Tenant) -> dict:

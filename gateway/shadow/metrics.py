@@ -1,0 +1,98 @@
+"""The shadow service's Prometheus series, read at scrape time (gateway/observability.py registers
+the collector). Counters are this process's events (Prometheus sums replicas); the gauges of
+agreement, its interval, savings and the share sampled are the figures pooled over every replica
+in the Store, as this process last read them. Labels: `alias`, and `tenant` only while the gateway
+has at most `shadow.tenant_labels` tenants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from gateway.shadow.figures import figures_of, tenant_prefix, tenants_in
+from gateway.shadow.service import Shadow
+
+COUNTERS = {  # event -> (family, help, label names after alias)
+    "eligible": ("gateway_shadow_eligible", "Token-level answers on shadowed aliases that could be sampled.", []),
+    "sampled": ("gateway_shadow_sampled", "Answers drawn for a shadow answer by the rate.", []),
+    "samples": ("gateway_shadow_samples", "Shadow answers compared, by outcome (agree, disagree).", ["outcome"]),
+    "tenant_samples": ("gateway_shadow_tenant_samples", "Shadow answers compared, by tenant and outcome (only "
+                       "while tenants are few: shadow.tenant_labels).", ["tenant", "outcome"]),
+    "skipped": ("gateway_shadow_skipped", "Sampled answers not shadowed, by reason (budget, breaker, queue, store, "
+                "failed, unsupported).", ["reason"]),
+    "cost": ("gateway_shadow_cost_usd", "Upstream cost of the compared samples: the routed answers' (routed) and "
+             "the shadow calls' (upstream_only).", ["answer"]),
+    "moves": ("gateway_shadow_knob_moves", "Moves of a quality target's knob, by direction.", ["direction"]),
+}
+
+
+class ShadowCollector:
+    """Scrape-time series of the runtime's shadow service (`service()`: None when nothing shadows)."""
+
+    def __init__(self, service: Callable[[], Shadow | None]) -> None:
+        self._service = service
+
+    def describe(self) -> list[Any]:
+        return [*self._counters().values(), *self._gauges().values()]
+
+    def collect(self) -> Iterator[Any]:
+        counters, gauges = self._counters(), self._gauges()
+        shadow = self._service()
+        if shadow is not None:
+            for (event, alias, *labels), value in shadow.counts.items():
+                counters[event].add_metric([alias, *labels], value)
+            self._pooled(shadow, gauges)
+            gauges["queue"].add_metric([], shadow.queue.qsize())
+        yield from counters.values()
+        yield from gauges.values()
+
+    @staticmethod
+    def _pooled(shadow: Shadow, gauges: dict[str, GaugeMetricFamily]) -> None:
+        for alias, lane in shadow.lanes.items():
+            if lane.controller is not None:
+                gauges["knob"].add_metric([alias, lane.controller.knob.field],
+                                          getattr(lane.steered, lane.controller.knob.field))
+            counts = shadow.pooled.get(alias, {})
+            figures = figures_of(counts)
+            _agreement(gauges["agreement"], [alias], figures)
+            if figures.share_sampled is not None:
+                gauges["share"].add_metric([alias], figures.share_sampled)
+            gauges["savings"].add_metric([alias], figures.savings)
+            for tenant in tenants_in(counts) if shadow.tenant_labels else ():
+                _agreement(gauges["tenant_agreement"], [alias, tenant], figures_of(counts, tenant_prefix(tenant)))
+
+    @staticmethod
+    def _counters() -> dict[str, CounterMetricFamily]:
+        return {event: CounterMetricFamily(name, text, labels=["alias", *labels])
+                for event, (name, text, labels) in COUNTERS.items()}
+
+    @staticmethod
+    def _gauges() -> dict[str, GaugeMetricFamily]:
+        pooled = " (pooled over replicas, as last read from the store)"
+        return {
+            "agreement": GaugeMetricFamily("gateway_shadow_agreement", "Share of shadow answers that agree with "
+                                           "the routed one: estimate and Wilson 95% bounds (bound)" + pooled,
+                                           labels=["alias", "bound"]),
+            "tenant_agreement": GaugeMetricFamily("gateway_shadow_tenant_agreement", "As gateway_shadow_agreement, "
+                                                  "per tenant (only while tenants are few)" + pooled,
+                                                  labels=["alias", "tenant", "bound"]),
+            "share": GaugeMetricFamily("gateway_shadow_sampled_share", "Share of eligible answers compared" + pooled,
+                                       labels=["alias"]),
+            "savings": GaugeMetricFamily("gateway_shadow_savings_usd", "Upstream-only cost less routed cost of the "
+                                         "compared samples" + pooled, labels=["alias"]),
+            "knob": GaugeMetricFamily("gateway_shadow_knob", "A quality target's knob: its current value.",
+                                      labels=["alias", "field"]),
+            "queue": GaugeMetricFamily("gateway_shadow_queue_depth", "Sampled answers waiting for a shadow call.",
+                                       labels=[]),
+        }
+
+
+def _agreement(family: GaugeMetricFamily, labels: list[str], figures: Any) -> None:
+    if figures.agreement is None:
+        return
+    low, high = figures.interval
+    for bound, value in (("estimate", figures.agreement), ("low", low), ("high", high)):
+        family.add_metric([*labels, bound], value)
