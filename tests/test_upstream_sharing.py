@@ -21,7 +21,7 @@ from adapters.cache_isolation import TenantSlots
 from adapters.redis_store import RedisStore
 from adapters.store import MemoryStore, long_lease_limits
 from adapters.upstream import UpstreamBusy
-from tests.conftest import SMOL, gateway_config, live_gateway
+from tests.conftest import ADMIN_KEY, SMOL, gateway_config, live_gateway
 from tests.fakes import FakeLocalModel, FakeUpstream
 from tests.test_decoder import VOCAB, make, run
 
@@ -157,19 +157,29 @@ def billed_completion_tokens(gateway, key: str) -> int:
     return next(w for w in usage["windows"] if w["period"] == "day")["upstream_completion_tokens"]
 
 
+def upstream_calls_begun(gateway) -> float:
+    """The gateway's count of upstream calls begun (a hand-off is counted as it is sent)."""
+    text = httpx.get(f"{gateway.base_url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("gateway_upstream_calls_total{"))
+
+
 @pytest.mark.integration
 def test_a_hand_off_cut_by_a_client_that_leaves_is_billed(gateway):
-    """The reproducer: a whole-answer hand-off on /v1/completions, the socket closed 0.3 s later,
-    while the upstream writes its 16 tokens (about half a second here). The ledger did not move;
-    now each cut call is billed for what the upstream wrote once it ends."""
+    """The reproducer: a whole-answer hand-off on /v1/completions, the socket closed while the
+    upstream writes its 16 tokens. The ledger did not move; now each cut call is billed for what the
+    upstream wrote once it ends."""
     body = {"model": "routed", "prompt": "Once upon a time", "max_tokens": LOCAL_LIMIT, "stream": True,
             "temperature": 0, "routing": {"policy": "always", "span": 48}}
     for _ in range(3):
+        begun = upstream_calls_begun(gateway)
         with httpx.stream("POST", f"{gateway.base_url}/v1/completions", json=body, timeout=60,
                           headers={"Authorization": "Bearer sk-leaver"}) as response:
             assert response.status_code == 200
-            time.sleep(0.3)
-        # leaving the block closes the connection mid-call
+            deadline = time.monotonic() + 30
+            while upstream_calls_begun(gateway) == begun and time.monotonic() < deadline:
+                time.sleep(0.02)
+        # leaving the block closes the connection while the call is in flight
     deadline = time.monotonic() + 60
     while billed_completion_tokens(gateway, "sk-leaver") < 3 * LOCAL_LIMIT and time.monotonic() < deadline:
         time.sleep(0.5)
