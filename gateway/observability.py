@@ -125,6 +125,12 @@ class Metrics:
                                          "each call (price sheet, provider cache minimum, prefix reuse); 1 is exact.",
                                          ["alias"], registry=r,
                                          buckets=(0.5, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 2.0, float("inf")))
+        self.agreement = Histogram("gateway_answer_agreement",
+                                   "With the agreement check: each answer's share of sampled answers that agree "
+                                   "with it (usage.routing.agreement).", ["alias"], registry=r,
+                                   buckets=(0.0, 0.25, 0.34, 0.5, 0.67, 0.75, 0.99, 1.0))
+        self.sample_tokens = Counter("gateway_agreement_sample_tokens",
+                                     "Local tokens the agreement check's sampled answers took.", ["alias"], registry=r)
         self.escalated = Counter("gateway_escalated_requests",
                                  "Answers whose rest the upstream wrote in one call (at the cost ceiling, or "
                                  "escalated early by price-aware routing).", ["alias"], registry=r)
@@ -400,6 +406,10 @@ def _count_answer(record: RequestRecord, admitted: Admitted) -> None:
     drafted = sum(decoding.usage.draft_hand_offs for decoding in admitted.decodings)
     if drafted:
         metrics.draft_hand_offs.labels(alias).inc(drafted)
+    for decoding in admitted.decodings:
+        if decoding.usage.agreement is not None:
+            metrics.agreement.labels(alias).observe(decoding.usage.agreement)
+            metrics.sample_tokens.labels(alias).inc(decoding.usage.sample_tokens)
     ratio = cost_ratio(admitted.decodings)
     if ratio is not None:
         metrics.cost_ratio.labels(alias).observe(ratio)

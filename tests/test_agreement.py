@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import httpx
 import pytest
 from pydantic import ValidationError
 
@@ -16,7 +17,7 @@ from gateway.settings import RoutingOverride, RoutingSettings
 from gateway.tenancy.budget import HandoffGate, Ledger
 from policies import build_policy
 from policies.agreement import AgreementCheck, agreement, answer_format, final_answer, same_answer
-from tests.conftest import gateway_config, live_gateway
+from tests.conftest import ADMIN_KEY, gateway_config, live_gateway
 from tests.fakes import FakeLocalModel, FakeUpstream
 from tests.test_decoder import VOCAB, run
 
@@ -114,6 +115,9 @@ def test_a_real_gateway_reports_the_agreement_of_its_answers(tmp_path):
             model="local", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6,
             extra_body={"routing": {"answer_check": {"kind": "agreement", "samples": 2, "format": "text"}}})
         assert asked.usage.model_extra["routing"]["samples"] == 2
+        metrics = httpx.get(f"{gateway.base_url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
+        assert 'gateway_answer_agreement_count{alias="local"} 2.0' in metrics
+        assert 'gateway_agreement_sample_tokens_total{alias="local"}' in metrics
 
 
 class OneSequence(FakeLocalModel):
