@@ -24,7 +24,7 @@ from gateway.admission.limits import admit_rates, admit_tokens, release
 from gateway.decoding.passing import Blocker, Passing
 from gateway.runtime import Alias, Runtime
 from gateway.settings import ServerSettings
-from gateway.tenancy.budget import HandoffGate
+from gateway.tenancy.budget import RESERVATION_MARGIN_S, HandoffGate
 from gateway.tenancy.tenants import Tenant
 from gateway.wire.errors import GatewayError, InvalidRequest, Overloaded, QuotaExceeded, quoted
 from gateway.wire.request_body import depth_of
@@ -32,7 +32,6 @@ from gateway.wire.schemas import ChatCompletionRequest, MediaPart
 
 log = logging.getLogger("gateway.admission.passthrough")
 
-RESERVATION_MARGIN_S = 30.0
 UPSTREAM_ONLY = (  # request fields only an upstream can honour, and what each asks for
     ("tools", "tool calling"), ("tool_choice", "tool calling"), ("functions", "function calling"),
     ("function_call", "function calling"), ("audio", "audio output"), ("web_search_options", "web search"),

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 from adapters.store import Billed, Reservation
 from adapters.upstream import Continuation, Continuations, Handoff, UpstreamBusy, UpstreamRejected, UpstreamUnavailable
 from gateway.decoding.spans import cut_span
-from gateway.decoding.values import CACHE, UPSTREAM, DecodeRequest, RoutingUsage, Written, billed
+from gateway.decoding.values import CACHE, UPSTREAM, DecodeRequest, RoutingUsage, Written
+from gateway.tenancy.budget import RESERVATION_MARGIN_S, billed
 
-RESERVATION_MARGIN_S = 30.0  # a reservation outlives its call's worst case by this much
 log = logging.getLogger("gateway.decoding.handoffs")
 
 

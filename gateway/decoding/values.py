@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from adapters.store import Billed
 from adapters.upstream import Continuation
 from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.logit_rules import LogitRules
@@ -23,12 +22,6 @@ GUESS_LIMIT = 8  # most local tokens guessed ahead while a hand-off is in flight
 # Most tokens one hand-off writes under a grammar: the upstream writes freely and the grammar cuts
 # its text at the first break, so a longer span would mostly be generated (and billed) in vain.
 GRAMMAR_SPAN = 16
-
-
-def billed(continuation: Continuation) -> Billed:
-    """What the ledger is told a call billed."""
-    return Billed(continuation.prompt_tokens, continuation.completion_tokens, continuation.cost_usd,
-                  continuation.cached_tokens, continuation.compute_ms or 0.0)
 
 
 class Written(NamedTuple):

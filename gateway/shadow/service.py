@@ -23,17 +23,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from adapters.store import Billed, Limits, StoreUnavailable
+from adapters.store import Limits, StoreUnavailable
 from adapters.upstream import Continuation, Continuations, UpstreamUnavailable
 from gateway.settings import OperatorShadowSettings, RoutingSettings
 from gateway.shadow.cases import ShadowCase, cut_at_stop
 from gateway.shadow.controller import KnobController
 from gateway.shadow.figures import sample_counts, tenant_prefix
-from gateway.tenancy.budget import HandoffGate, Ledger
+from gateway.tenancy.budget import RESERVATION_MARGIN_S, HandoffGate, Ledger, billed
 from policies.agreement import answer_format, same_answer
 
 log = logging.getLogger("gateway.shadow")
-RESERVATION_MARGIN_S = 30.0  # a reservation outlives its call's worst case by this much
 
 
 @dataclass
@@ -178,9 +177,9 @@ class Shadow:
             log.info("shadow call of alias %s failed: %s", lane.name, exc)
             return self._skip(lane, "failed")
         except BaseException:  # shut down mid-call: the upstream bills it all the same
-            gate.finish_in_background(reservation, call, lambda done: gate.settle(reservation, _billed(done)))
+            gate.finish_in_background(reservation, call, lambda done: gate.settle(reservation, billed(done)))
             raise
-        await gate.settle(reservation, _billed(got))
+        await gate.settle(reservation, billed(got))
         return await self._compare(lane, case, cut_at_stop(got.text, case.stop), got.cost_usd)
 
     async def _compare(self, lane: Lane, case: ShadowCase, direct: str, direct_cost: float) -> bool:
@@ -253,6 +252,3 @@ def _lane(name: str, upstream: Continuations, routing: RoutingSettings) -> Lane:
     lane.steer(lane.start)
     return lane
 
-
-def _billed(got: Continuation) -> Billed:
-    return Billed(got.prompt_tokens, got.completion_tokens, got.cost_usd, got.cached_tokens, got.compute_ms or 0.0)

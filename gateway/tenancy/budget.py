@@ -28,8 +28,10 @@ from adapters.store import (
     StoreUnavailable,
     new_reservation,
 )
+from adapters.upstream import Continuation
 
 log = logging.getLogger("gateway.tenancy.budget")
+RESERVATION_MARGIN_S = 30.0  # a reservation outlives its call's worst case by this much
 
 
 class Ledger:
@@ -190,3 +192,9 @@ class HandoffGate:
                 await self.ledger.store.cache_put(key, value)
         except StoreUnavailable:
             pass
+
+
+def billed(continuation: Continuation) -> Billed:
+    """What the ledger is told an upstream call billed."""
+    return Billed(continuation.prompt_tokens, continuation.completion_tokens, continuation.cost_usd,
+                  continuation.cached_tokens, continuation.compute_ms or 0.0)
