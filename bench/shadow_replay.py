@@ -104,15 +104,17 @@ class Records:
         return {r["id"]: r for r in self.rows if r["kind"] == kind}
 
 
-def ask_gateway(client: httpx.Client, base: str, key: str, row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    body = {"model": "routed", "messages": row["messages"], "max_tokens": max_tokens, "temperature": 0}
+def ask_gateway(client: httpx.Client, base: str, key: str, row: dict[str, Any], max_tokens: int,
+                model: str = "routed") -> dict[str, Any]:
+    body = {"model": model, "messages": row["messages"], "max_tokens": max_tokens, "temperature": 0}
     started = time.perf_counter()
     answer = client.post(f"{base}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
     latency = time.perf_counter() - started
     answer.raise_for_status()
     data = answer.json()
     return {"text": data["choices"][0]["message"]["content"], "latency_s": round(latency, 4),
-            "routed_cost": data["usage"]["routing"]["upstream_cost_usd"], "finish": data["choices"][0]["finish_reason"]}
+            "routed_cost": data["usage"]["routing"]["upstream_cost_usd"],
+            "upstream_calls": data["usage"]["routing"]["upstream_calls"], "finish": data["choices"][0]["finish_reason"]}
 
 
 def ask_upstream(client: httpx.Client, port: int, row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
