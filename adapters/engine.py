@@ -49,6 +49,8 @@ import numpy as np
 from llama_cpp import Llama
 from llama_cpp import _internals as internals
 
+from adapters.steering import Steering
+
 GATHER_S = 0.02  # how long a step waits for sequences that just got logits to come back
 SHARE_MIN_TOKENS = 4  # a shorter shared prefix is cheaper to evaluate again than to wait for
 IDLE_KEPT = 1  # finished sequences whose tokens stay for reuse: every cell widens every step's attention
@@ -105,12 +107,21 @@ class Engine:
     """Owns the llama.cpp context and its step loop; safe to share across requests."""
 
     def __init__(self, llm: Llama, n_ctx: int, parallel: int, n_threads: int, n_batch: int,
-                 queue_limit: int, flash_attn: bool) -> None:
+                 queue_limit: int, flash_attn: bool, steering: Steering | None = None) -> None:
+        """With `steering`, every sequence decodes with its control vector (adapters/steering.py);
+        raises SteeringError for a vector that does not fit the model."""
         self.n_ctx = n_ctx  # per sequence
         self.n_vocab = llm.n_vocab()
         self.n_embd = llama_cpp.llama_model_n_embd_out(llm._model.model)  # noqa: SLF001 - the hidden state's size
         self._context = _batched_context(llm, n_ctx * parallel, parallel, n_threads, n_batch, flash_attn)
         self._ctx = self._context.ctx
+        self.steering = steering
+        if steering is not None:
+            try:
+                _steer(self._ctx, llm._model.model, steering)  # noqa: SLF001 - the model's shape
+            except Exception:
+                self._context.close()
+                raise
         self._threadpool = Threadpool(n_threads)
         self._threadpool.attach(self._ctx)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
@@ -494,6 +505,16 @@ class Threadpool:
 
     def free(self) -> None:
         self._cpu.ggml_threadpool_free(self.pool)
+
+
+def _steer(ctx, model, steering: Steering) -> None:
+    """Set the context's control vector (llama.cpp copies the buffer; the range is inclusive)."""
+    n_layer, n_embd = llama_cpp.llama_model_n_layer(model), llama_cpp.llama_model_n_embd(model)
+    data = steering.control(n_layer, n_embd)
+    first, last = steering.layers
+    pointer = data.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    if llama_cpp.llama_set_adapter_cvec(ctx, pointer, data.size, n_embd, first, last) != 0:
+        raise RuntimeError("llama_set_adapter_cvec refused the steering vector")
 
 
 def _batched_context(llm: Llama, n_ctx: int, parallel: int, n_threads: int, n_batch: int,

@@ -21,6 +21,7 @@ from llama_cpp import Llama
 from adapters.chat_template import ChatTemplate
 from adapters.engine import ContextOverflow, Engine, QueueFull, Sequence
 from adapters.grammar import Grammar
+from adapters.steering import Steering, SteeringError
 from adapters.vocabulary import tokenize_parts
 
 __all__ = ["ContextOverflow", "LocalModel", "LocalModelError", "QueueFull", "system_info"]
@@ -57,10 +58,12 @@ class LocalModel:
 
     @classmethod
     async def load(cls, path: Path, n_ctx: int, n_threads: int, n_batch: int, queue_limit: int,
-                   parallel: int = 1, look_ahead: bool = True, flash_attn: bool = True) -> "LocalModel":
+                   parallel: int = 1, look_ahead: bool = True, flash_attn: bool = True,
+                   steering: Steering | None = None) -> "LocalModel":
         """Load `path` (off the event loop) with an engine of `parallel` sequences of `n_ctx`
         tokens each, evaluating greedy sequences' next tokens ahead if `look_ahead`, with llama.cpp's
-        flash attention if `flash_attn`. Raises LocalModelError with one line."""
+        flash attention if `flash_attn`, its context steered by `steering` if given. Raises
+        LocalModelError with one line (a steering vector of another width or layer count too)."""
 
         def build() -> Llama:
             # This Llama's own context stays tiny: the engine decodes in a context of its own.
@@ -69,9 +72,9 @@ class LocalModel:
 
         try:
             llm = await asyncio.get_running_loop().run_in_executor(None, build)
-            engine = Engine(llm, n_ctx, parallel, n_threads, n_batch, queue_limit, flash_attn)
+            engine = Engine(llm, n_ctx, parallel, n_threads, n_batch, queue_limit, flash_attn, steering)
             engine.speculation = look_ahead
-        except (ValueError, RuntimeError) as exc:
+        except (ValueError, RuntimeError, SteeringError) as exc:
             raise LocalModelError(f"cannot load model {path}: {exc}") from exc
         return cls(llm, engine)
 

@@ -73,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--output-usd-per-mtok", type=float, default=1.5, help="assumed upstream price (completion)")
     run.add_argument("--system", type=Path, help="put every question behind this file's text as the system message; "
                      "each answer's upstream calls find it cached, as a provider's prompt cache would hold it")
+    run.add_argument("--steer", help="steering vector file (python -m gateway steer fit) for the local engine")
+    run.add_argument("--steer-scale", type=float, default=1.0, help="the vector's scale (default 1)")
+    run.add_argument("--steer-layers", type=int, nargs=2, metavar=("FIRST", "LAST"),
+                     help="layers it steers, inclusive (default: 1 to the last)")
     run.add_argument("--decision-sheet", help="price the upstream with this sheet instead (a name of `costs "
                      "--sheet` or a file; token prices only): what price-aware configs (value=, ceiling=) decide on")
     run.set_defaults(command=_run)
@@ -253,7 +257,7 @@ async def _run_async(args: argparse.Namespace, plan: Any, total: int) -> dict[st
     options = ModelOptions(args.local, args.upstream, args.n_ctx, args.threads, args.input_usd_per_mtok,
                            args.output_usd_per_mtok, upstream_api_base=args.upstream_api_base,
                            parallel=args.parallel, upstream_server=args.upstream_server, warm=args.warm,
-                           router=args.router, check=args.check, flash_attn=args.flash_attn,
+                           router=args.router, check=args.check, flash_attn=args.flash_attn, steering=_steering(args),
                            sheet=load_sheet(args.decision_sheet) if args.decision_sheet else None)
     models = await open_models(options, with_upstream=any(s.uses_upstream for s in plan.configs))
     try:
@@ -278,6 +282,17 @@ def _quiet_unclosed_sessions() -> None:
             loop.default_exception_handler(context)
 
     loop.set_exception_handler(handler)
+
+
+def _steering(args: argparse.Namespace) -> Any:
+    """The run's `--steer` vector, checked against the local model (SteeringError is a ValueError)."""
+    if not args.steer:
+        return None
+    from adapters.model_files import model_sha256
+    from adapters.steering import Steering, SteeringVector
+
+    vector = SteeringVector.load(args.steer, model_sha256(args.local))
+    return Steering(vector, args.steer_scale, tuple(args.steer_layers or (1, vector.n_layer - 1)))
 
 
 def _meta(args: argparse.Namespace, plan: Any) -> dict[str, Any]:

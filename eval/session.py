@@ -15,6 +15,7 @@ from pathlib import Path
 from adapters.engine import common_prefix
 from adapters.local_model import LocalModel
 from adapters.model_files import model_sha256, resolve_model
+from adapters.steering import Steering
 from adapters.upstream import Upstream
 from adapters.upstream_server import UpstreamServer, forgetful_args
 from eval.costs import PriceSheet
@@ -81,6 +82,7 @@ class ModelOptions:
     check: str | None = None  # an answer check file, checked against the local model
     sheet: PriceSheet | None = None  # token prices that replace the assumed ones (what decisions are priced at)
     flash_attn: bool = RECORDED_FLASH_ATTN  # in the local engine
+    steering: Steering | None = None  # a control vector in the local engine (docs/steering.md)
 
     @property
     def upstream_mode(self) -> str:
@@ -93,7 +95,8 @@ async def open_models(options: ModelOptions, with_upstream: bool) -> Models:
     router = Router.load(options.router, model_sha256(options.local)) if options.router else None
     check = AnswerCheck.load(options.check, model_sha256(options.local)) if options.check else None
     local = await LocalModel.load(local_path, options.n_ctx, options.threads, n_batch=256,
-                                  queue_limit=options.parallel, parallel=options.parallel, flash_attn=options.flash_attn)
+                                  queue_limit=options.parallel, parallel=options.parallel, flash_attn=options.flash_attn,
+                                  steering=options.steering)
     if not with_upstream:
         return Models(local, None, None, local_path, router=router, check=check)
     server = None

@@ -12,6 +12,7 @@ from adapters.litellm_client import litellm
 from adapters.local_model import LocalModel, system_info
 from adapters.model_files import model_sha256, resolve_model
 from adapters.redis_store import RedisStore
+from adapters.steering import Steering, SteeringError, SteeringVector
 from adapters.store import MemoryStore, Store
 from adapters.upstream import Continuations, Upstream, prices_of
 from adapters.upstream_server import UpstreamServer
@@ -101,11 +102,12 @@ class Runtime:
         files = alias_files(settings)  # checked before models load, which takes a while
         for warning in check_routing(settings, {name: router for name, (router, _) in files.items()}):
             log.warning("%s", warning)
+        steerings = steering_of(settings)
         for name, local in settings.models.local.items():
             path = resolve_model(local.gguf)
             self.local_models[name] = await LocalModel.load(
                 path, local.n_ctx, local.n_threads, local.n_batch, settings.server.queue_limit, local.parallel,
-                look_ahead=local.look_ahead, flash_attn=local.flash_attn)
+                look_ahead=local.look_ahead, flash_attn=local.flash_attn, steering=steerings.get(name))
         upstreams = {name: await self._upstream(name, up) for name, up in settings.upstreams.items()}
         for name, alias in settings.aliases.items():
             upstream = upstreams[alias.upstream] if alias.upstream else None
@@ -177,6 +179,23 @@ def fit_presets(settings: Settings) -> list[str]:
             lines.append(f"alias '{name}': preset '{routing.preset}' has no router for its local model ({exc}); "
                          f"it falls back to {FALLBACKS[routing.preset]}")
     return lines
+
+
+def steering_of(settings: Settings) -> dict[str, Steering]:
+    """Each steered local entry's vector, checked against its GGUF's sha256 and its layers against
+    the file's (its width against the model's as the model loads). Raises SettingsError naming the
+    entry, or ModelFileError."""
+    steerings = {}
+    for name, local in settings.models.local.items():
+        if local.steering is None:
+            continue
+        try:
+            vector = SteeringVector.load(local.steering.vector, model_sha256(local.gguf))
+            steerings[name] = Steering(vector, local.steering.scale, local.steering.layers)
+            steerings[name].control(vector.n_layer, vector.n_embd)  # its layers exist
+        except SteeringError as exc:
+            raise SettingsError(f"models.local.{name}.steering: {exc}") from exc
+    return steerings
 
 
 def alias_files(settings: Settings) -> dict[str, tuple[Router | None, AnswerCheck | None]]:

@@ -58,6 +58,24 @@ class ServerSettings(Strict):
         "either way: it would load its scripts from a public CDN.")
 
 
+class SteeringSettings(Strict):
+    """A control vector added to the local model's residual stream (docs/steering.md)."""
+
+    vector: str = Field(..., description="Steering vector file (python -m gateway steer fit), fitted for this "
+                        "entry's GGUF: another model's, or one of another width, stops start-up.")
+    scale: float = Field(..., allow_inf_nan=False, description="Multiplier of the file's directions: 1 adds the "
+                         "fitted contrast once per steered layer; negative steers away from the concept.")
+    layers: tuple[int, int] = Field(..., description="[first, last]: the layers (inclusive, counted from 0) whose "
+                                    "output the vector is added to; llama.cpp steers no layer 0.")
+
+    @field_validator("layers")
+    @classmethod
+    def _ordered(cls, layers: tuple[int, int]) -> tuple[int, int]:
+        if not 1 <= layers[0] <= layers[1]:
+            raise ValueError("layers must be [first, last] with 1 <= first <= last")
+        return layers
+
+
 class LocalModelSettings(Strict):
     gguf: str = Field(..., description="Catalog name (see adapters/model_files.py) or a path to a GGUF file.")
     n_ctx: int = Field(4096, ge=256, description="Context length of the llama.cpp context.")
@@ -73,6 +91,9 @@ class LocalModelSettings(Strict):
         True, description="llama.cpp's flash attention in the engine's context, as llama.cpp's own tools run on "
         "CPUs: one stream's steps 1.06-1.18x faster on SmolLM2 (most where a step is short). Its kernel rounds more "
         "coarsely, so batched sequences flip greedy near-ties against what each would get alone more often.")
+    steering: SteeringSettings | None = Field(
+        None, description="A control vector applied to this entry's own engine; an entry naming the same GGUF without "
+        "it decodes unsteered beside it (docs/steering.md).")
 
 
 ThresholdSource = Literal["router", "traffic"]

@@ -1,0 +1,98 @@
+"""The "Intervention Detector" read-outs for contrast concepts on one local model.
+
+Per layer: a linear probe's held-out accuracy at telling a concept's positive prompts from its
+negative ones (where the concept is linearly readable, hence worth steering), and the cosine
+between two concepts' mean-difference directions (concepts that share a direction steer
+together). The picture shows the accuracies as a concepts-by-layers heatmap and the cosines as a
+layers-by-layers heatmap (the diagonal is the same-layer cosine; with one concept, its own
+direction against itself: where it stays the same, one vector serves a range of layers).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gateway.steering.fit import ContrastModel, directions
+from gateway.steering.probe import held_out_accuracy
+from gateway.steering.prompts import Pair
+
+
+@dataclass(frozen=True)
+class Readout:
+    concept: str
+    accuracy: list[float]  # per layer
+    direction: np.ndarray  # mean difference [n_layer, n_embd]
+
+
+def readout(model: ContrastModel, pairs: list[Pair], concept: str, folds: int = 5) -> Readout:
+    """Capture `pairs` on `model` and read the concept out at every layer."""
+    positive, negative = model.pair_states(pairs)
+    accuracy = [held_out_accuracy(positive[:, layer], negative[:, layer], folds) for layer in range(positive.shape[1])]
+    return Readout(concept, accuracy, directions(positive, negative, "mean"))
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[n_layer, n_layer]: cosine of a's direction at layer i with b's at layer j."""
+    a = a / (np.linalg.norm(a, axis=1, keepdims=True) + 1e-12)
+    b = b / (np.linalg.norm(b, axis=1, keepdims=True) + 1e-12)
+    return a @ b.T
+
+
+def summary(readouts: list[Readout]) -> dict:
+    """The read-outs as JSON: per concept its accuracies, and the same-layer cosines of the first two."""
+    out: dict = {"layers": len(readouts[0].accuracy),
+                 "probe_accuracy": {r.concept: [round(a, 4) for a in r.accuracy] for r in readouts}}
+    if len(readouts) > 1:
+        out["cosine"] = {"concepts": [readouts[0].concept, readouts[1].concept],
+                         "same_layer": [round(float(c), 4) for c in np.diag(cosines(readouts[0].direction,
+                                                                                    readouts[1].direction))]}
+    return out
+
+
+def table(readouts: list[Readout]) -> str:
+    """A layer-per-line text table of the read-outs."""
+    head = "layer " + " ".join(f"{r.concept[:14]:>14}" for r in readouts)
+    same = np.diag(cosines(readouts[0].direction, readouts[-1].direction)) if len(readouts) > 1 else None
+    head += "     cosine" if same is not None else ""
+    lines = [head]
+    for layer in range(len(readouts[0].accuracy)):
+        line = f"{layer:5d} " + " ".join(f"{r.accuracy[layer]:14.3f}" for r in readouts)
+        lines.append(line + (f" {same[layer]:10.3f}" if same is not None else ""))
+    return "\n".join(lines)
+
+
+def heatmap(readouts: list[Readout], path: str | Path) -> None:
+    """Write the picture (PNG) described in the module's docstring."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    other = readouts[1] if len(readouts) > 1 else readouts[0]
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 10), height_ratios=[1, 4])
+    image = top.imshow([r.accuracy for r in readouts], aspect="auto", vmin=0.5, vmax=1.0, cmap="viridis")
+    top.set_yticks(range(len(readouts)), [r.concept for r in readouts])
+    top.set_xlabel("layer")
+    top.set_title("linear probe held-out accuracy")
+    figure.colorbar(image, ax=top)
+    image = bottom.imshow(cosines(readouts[0].direction, other.direction), vmin=-1, vmax=1, cmap="RdBu_r")
+    bottom.set_xlabel(f"layer ({other.concept})")
+    bottom.set_ylabel(f"layer ({readouts[0].concept})")
+    bottom.set_title("cosine of mean-difference directions")
+    figure.colorbar(image, ax=bottom)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def write(readouts: list[Readout], out_dir: str | Path, meta: dict) -> list[Path]:
+    """report.json and heatmap.png under `out_dir`; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps({**meta, **summary(readouts)}, indent=1) + "\n")
+    heatmap(readouts, out / "heatmap.png")
+    return [out / "report.json", out / "heatmap.png"]
