@@ -227,8 +227,18 @@ def score_gsm8k_json(item: Item, text: str) -> Scored:
     return Scored(reply["answer"], gold is not None and abs(reply["answer"] - gold) < 1e-6, "json")
 
 
+# -- a user's prompts (eval/prompts.py) --
+
+def score_prompt(item: Item, text: str) -> Scored:
+    """Right when the answer's final answer, read in the item's format, is its reference's."""
+    from eval.prompts import reference_pred
+
+    pred, correct = reference_pred(item, text)
+    return Scored(pred, correct, "reference" if item.gold is not None else "no_reference")
+
+
 SCORERS = {"csqa": score_csqa, "gsm8k": score_gsm8k, "gsm8k_json": score_gsm8k_json, "humaneval": score_humaneval,
-           "ifeval": score_ifeval, "mbpp": score_mbpp}
+           "ifeval": score_ifeval, "mbpp": score_mbpp, "prompts": score_prompt}
 
 
 def score(dataset: str, item: Item, text: str) -> Scored:

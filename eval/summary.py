@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from gateway.shadow.figures import wilson
+
 RESAMPLES = 2000
 
 
@@ -20,6 +22,12 @@ def bootstrap_ci(values: Sequence[float], resamples: int = RESAMPLES, seed: int 
     means = data[rng.integers(0, data.size, size=(resamples, data.size))].mean(axis=1)
     low, high = np.percentile(means, [2.5, 97.5])
     return float(low), float(high)
+
+
+def wilson_ci(successes: int, n: int) -> tuple[float, float]:
+    """Wilson score 95% interval of a proportion `successes / n` (nan with n = 0), as the
+    gateway's shadow figures compute it."""
+    return wilson(successes, n) or (float("nan"), float("nan"))
 
 
 def mcnemar_p(gained: int, lost: int) -> float:
