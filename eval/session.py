@@ -95,8 +95,8 @@ async def open_models(options: ModelOptions, with_upstream: bool) -> Models:
     router = Router.load(options.router, model_sha256(options.local)) if options.router else None
     check = AnswerCheck.load(options.check, model_sha256(options.local)) if options.check else None
     local = await LocalModel.load(local_path, options.n_ctx, options.threads, n_batch=256,
-                                  queue_limit=options.parallel, parallel=options.parallel, flash_attn=options.flash_attn,
-                                  steering=options.steering)
+                                  queue_limit=options.parallel, parallel=options.parallel,
+                                  flash_attn=options.flash_attn, steering=options.steering)
     if not with_upstream:
         return Models(local, None, None, local_path, router=router, check=check)
     server = None

@@ -62,7 +62,8 @@ def test_mean_and_pca_directions_point_along_the_contrast():
     for rows in (mean, pca):
         assert rows.shape == (2, 16)
         assert np.all(rows[:, 3] > 1.8) and np.all(np.abs(np.delete(rows, 3, axis=1)) < 0.2)
-    assert np.allclose(np.linalg.norm(pca, axis=1), np.abs(pca @ concept / 1.0), rtol=0.05)  # sized to the mean along it
+    # sized to the mean along it
+    assert np.allclose(np.linalg.norm(pca, axis=1), np.abs(pca @ concept / 1.0), rtol=0.05)
     flipped = directions(negative, positive, "pca")
     assert np.all(flipped[:, 3] < -1.8)  # the sign follows the mean, whatever the SVD returned
 
@@ -261,7 +262,8 @@ async def test_wrong_vectors_are_refused(tmp_path, smol_path, smol_shape):
     vector(np.zeros((n_layer, n_embd))).save(tmp_path / "smol.npz")  # the right model, layers it lacks
     config["models"]["local"]["steered"]["steering"].update(vector=str(tmp_path / "smol.npz"), layers=[1, n_layer])
     path.write_text(yaml.safe_dump(config))
-    with pytest.raises(SettingsError, match=rf"models.local.steered.steering: .*outside the model's layers 1..{n_layer - 1}"):
+    outside = rf"models.local.steered.steering: .*outside the model's layers 1..{n_layer - 1}"
+    with pytest.raises(SettingsError, match=outside):
         steering_of(load_settings(path))
 
 
