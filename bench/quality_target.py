@@ -33,9 +33,8 @@ from typing import Any
 import httpx
 
 from adapters.upstream_server import free_port
-from bench.shadow_replay import KEYS, Records, ask_gateway, ask_upstream, mixed_rows, quality
+from bench.shadow_replay import KEYS, Records, ask_gateway, ask_upstream, mixed_rows, quality, stream_arguments
 from bench.support import SMOL, live_gateway
-from eval.datasets import DATA_DIR
 from gateway.shadow.figures import wilson
 from policies.agreement import same_answer
 
@@ -189,24 +188,15 @@ def plot(args: argparse.Namespace, records: Records, target: float, path: Path) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=50, help="rows of each dataset")
+    stream_arguments(parser, rows=50, rate=0.5, run="quality-target")
     parser.add_argument("--fixed", type=float, nargs="+", default=[1.0, 3.0], help="fixed entropy thresholds")
     parser.add_argument("--target", type=float, default=None, help="default: midpoint of the fixed agreements")
-    parser.add_argument("--rate", type=float, default=0.5)
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--step", type=float, default=0.25)
     parser.add_argument("--dead-band", type=float, default=0.03)
     parser.add_argument("--passes", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
-    parser.add_argument("--humaneval", type=Path, default=None)
-    parser.add_argument("--out", type=Path, default=Path("results/shadow"))
-    parser.add_argument("--run", default="quality-target")
     parser.add_argument("--direct-from", type=Path, default=None,
                         help="an earlier replay's records (same upstream and --max-tokens): take its direct answers")
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument("--input-usd", type=float, default=0.27, help="upstream price per million prompt tokens")
-    parser.add_argument("--output-usd", type=float, default=1.10, help="... per million completion tokens")
     args = parser.parse_args()
     records = Records(args.out / f"{args.run}.jsonl")
     rows = mixed_rows(args)

@@ -211,20 +211,25 @@ def running_gateway(args: argparse.Namespace, upstream_port: int) -> Iterator[st
         yield gateway.base_url
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=15, help="rows of each dataset")
-    parser.add_argument("--rate", type=float, default=0.1)
+def stream_arguments(parser: argparse.ArgumentParser, rows: int, rate: float, run: str) -> None:
+    """The options of a replayed stream and its gateway, shared with bench.quality_target."""
+    parser.add_argument("--rows", type=int, default=rows, help="rows of each dataset")
+    parser.add_argument("--rate", type=float, default=rate)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
     parser.add_argument("--humaneval", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("results/shadow"))
-    parser.add_argument("--run", default="replay")
-    parser.add_argument("--store", choices=("redis", "memory"), default="redis")
+    parser.add_argument("--run", default=run)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--input-usd", type=float, default=0.27, help="upstream price per million prompt tokens")
     parser.add_argument("--output-usd", type=float, default=1.10, help="... per million completion tokens")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    stream_arguments(parser, rows=15, rate=0.1, run="replay")
+    parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--store", choices=("redis", "memory"), default="redis")
     args = parser.parse_args()
     records = Records(args.out / f"{args.run}.jsonl")
     rows = mixed_rows(args)
