@@ -57,13 +57,15 @@ class Decision:
     (None: as many as the request's span), `escalate` hands the rest of the answer over in one call,
     and `need` is the policy's chance that the hand-off is needed (None: it has no such estimate);
     for a local one, `vetoed` says what turned an upstream step local ("cap", "budget" when the
-    tenant's budget would not cover it, "price" when the hand-off was not worth its price)."""
+    tenant's budget would not cover it, "price" when the hand-off was not worth its price).
+    `decisive`: a hand-off the answer turns on, made even in a draft (policies.price)."""
 
     route: Route
     room: int | None = None
     vetoed: str | None = None
     escalate: bool = False
     need: float | None = None
+    decisive: bool = False
 
     @property
     def upstream(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ class Capped(Wrapping):
         if vetoed:
             return Decision(Route.LOCAL, vetoed=vetoed)
         room = self.room(state)  # an escalation past a token or share cap is one hand-off up to it
-        return Decision(Route.UPSTREAM, room=room, escalate=wanted.escalate and room is None, need=wanted.need)
+        return dataclasses.replace(wanted, room=room, escalate=wanted.escalate and room is None)
 
     def room(self, state: RoutingState) -> int | None:
         """How many upstream tokens the token and share caps allow from this step on, counting each

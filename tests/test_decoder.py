@@ -179,6 +179,18 @@ async def test_a_draft_the_price_rule_never_escalates_costs_nothing_upstream():
     assert decoding.usage.draft_hand_offs == 2 and upstream.calls == [] and not decoding.usage.escalated
 
 
+async def test_a_short_answers_draft_makes_the_hand_off_it_turns_on():
+    upstream = FakeUpstream("Paris is nice.")
+    unsure_first = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset({0}), lean=2.0)
+    # 4 tokens allowed: a short answer, which turns on its first uncertain step
+    decoding, _ = make(unsure_first, upstream, ceiling=ceiling(None), answer_value=1.0, escalation="draft",
+                       held=True, max_tokens=4)
+    await run(decoding)
+    assert decoding.sources[0] == "upstream" and len(upstream.calls) == 1 and upstream.calls[0].answer == ""
+    assert not decoding.usage.afresh and decoding.usage.price_vetoes > 0  # later steps weighed by their need
+    invariant(decoding)
+
+
 @pytest.mark.parametrize("escalation", ["afresh", "draft"])
 async def test_a_streamed_answer_escalates_by_continuing_whatever_the_request_says(escalation):
     upstream = FakeUpstream("Paris is nice.")
@@ -255,8 +267,8 @@ async def test_an_answer_the_upstream_wrote_in_one_call_costs_what_asking_direct
 async def test_a_draft_asked_afresh_under_a_ceiling_of_one_bills_what_asking_directly_does():
     upstream = FakeUpstream("Paris is nice.", chars_per_token=1)
     limit = ceiling(1.0)
-    decoding, _ = make(unsure_local(), upstream, ceiling=limit, answer_value=1000.0, escalation="draft", held=True,
-                       max_tokens=6)
+    # 20 tokens allowed: not a short answer, whose first hand-off a draft would make
+    decoding, _ = make(unsure_local(), upstream, ceiling=limit, answer_value=1000.0, escalation="draft", held=True)
     await run(decoding)
     assert decoding.usage.afresh and len(upstream.calls) == 1 and "cost_ceiling" not in decoding.usage.degraded
     assert limit.spent_usd == pytest.approx(limit.direct_usd()) and cost_ratio([decoding]) == 1.0

@@ -254,7 +254,7 @@ class Decoding(Escalation, Guessing, Appending):
         if not self.upstream.available:
             self.usage.degrade("upstream_unavailable")
             return LOCAL_STEP
-        if self._drafts and not wanted.escalate:
+        if self._drafts and not (wanted.escalate or wanted.decisive):
             self.usage.draft_hand_offs += 1
             if self._reads_prices:  # priced on as if made: the next call would extend this one's prefix
                 self.calls.reusable_tokens = self.request.ceiling.prompt_tokens + len(self.answer_tokens)

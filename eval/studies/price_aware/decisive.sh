@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Price-aware decisions after the deciding hand-off (docs/studies/price_aware.md, "The deciding
+# hand-off"): the first hand-off of an answer expected to run at most 16 tokens is weighed against
+# asking directly, not against its need. The reference pair, upstream as llama-server,
+# decisions priced on the sheet named; answer_value 1 as before. In order of what they decide:
+#   1. the token-billed preset as served (mixed router at 5% from traffic, value 1, drafts) on
+#      CommonsenseQA rows 922-1,221, untouched by any fit or choice (upstream-only borrowed from the
+#      agreement check's report run, which decoded the same rows on the same pair);
+#   2. the landed price-aware CommonsenseQA figures decoded again with the current code (rows
+#      0-199; local, upstream-only and the price-blind routers borrowed as before).
+# Long answers (GSM8K, HumanEval, IFEval) are not decoded again: no answer there is expected to run
+# 16 tokens or fewer, so their decisions do not change.
+# Resumable: rerun to continue.   nohup bash eval/studies/price_aware/decisive.sh > decisive.log 2>&1 &
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+
+EVAL=".venv/bin/python -m eval"
+MIXED=routers/mixed-qwen2.5-coder-0.5b.json
+CSQA_ROUTER=routers/csqa-divergent-qwen2.5-coder-0.5b.json
+REPORT_ROWS=data/commonsenseqa_dev300_rows922-1221.jsonl
+
+run=price_decisive_csqa_report
+$EVAL borrow --run-name $run --from-run agreement_csqa_report --dataset csqa --configs upstream
+$EVAL run --dataset csqa --data $REPORT_ROWS --rows 0:300 --run-name $run --warm --block 10 --router $MIXED \
+  --decision-sheet frontier-openai --configs local learned@0.05,from=traffic,value=1,escalation=draft
+
+csqa() {  # run, sheet, configs...
+  $EVAL borrow --run-name "$1" --from-run learned_divergent --dataset csqa --configs upstream local learned@0.05 learned@0.1
+  $EVAL run --dataset csqa --rows 0:200 --run-name "$1" --warm --block 10 --router $CSQA_ROUTER \
+    --decision-sheet "$2" --configs "${@:3}"
+}
+csqa price_decisive_csqa_frontier-openai frontier-openai learned@0.05,value=1 learned@0.1,value=1
+csqa price_decisive_csqa_deepseek deepseek learned@0.05,value=1
+
+run=price_decisive_csqa_system1500_frontier-openai
+$EVAL borrow --run-name $run --from-run price_csqa_system1500_frontier-openai --dataset csqa --configs local upstream learned@0.05
+$EVAL run --dataset csqa --rows 0:200 --run-name $run --warm --block 5 --router $CSQA_ROUTER \
+  --decision-sheet frontier-openai --system data/system_prompt_assistant.md --configs learned@0.05,value=1
+
+# the same preset's router with hand-offs (no draft), on the report rows
+$EVAL run --dataset csqa --data $REPORT_ROWS --rows 0:300 --run-name price_decisive_csqa_report --warm --block 10 \
+  --router $MIXED --decision-sheet frontier-openai --configs learned@0.05,from=traffic,value=1
