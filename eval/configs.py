@@ -25,9 +25,10 @@
     local,afresh=P  <policy>@<value>,...,afresh=P
                           the answer check (--check) asks the upstream afresh for an answer whose
                           chance of being correct is below P (routing.escalate_below P)
-    local,agree=K[,afresh=P]
+    local,agree=K[,keep=majority][,afresh=P]
                           the agreement check instead (routing.answer_check {kind: agreement,
-                          samples: K}): each answer's agreement is recorded; below P it is asked afresh
+                          samples: K}): each answer's agreement is recorded; below P it is asked afresh;
+                          keep=majority keeps the majority's answer (answer: majority)
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class ConfigSpec:
     escalate_below: float | None = None  # the answer check's bar (afresh=P)
     threshold_from: str = "router"  # learned: the router's fitted threshold, or traffic's (from=traffic)
     agree: int | None = None  # the agreement check's samples (agree=K), instead of the --check file
+    keep: str = "greedy"  # the answer the agreement check keeps (keep=majority)
     # the recent values thresholds calibrate on, shared by all items of the config as the gateway
     # shares them by all requests of a tenant on an alias
     windows: SharedWindows = field(default_factory=SharedWindows, compare=False, repr=False)
@@ -99,13 +101,16 @@ class ConfigSpec:
 
 
 def _local_checked(text: str, options: list[str]) -> ConfigSpec:
-    """'local,afresh=P', 'local,agree=K' or 'local,agree=K,afresh=P'."""
+    """'local,afresh=P', or 'local,agree=K' with ',keep=majority' and ',afresh=P' optional."""
     given = dict(option.partition("=")[::2] for option in options)
-    if not given or set(given) - {"afresh", "agree"} or not given.get("agree", "2").isdigit() \
-            or not 2 <= int(given.get("agree", "2")) <= 8:
-        raise ValueError(f"bad config {text!r}: local takes afresh=<P> and agree=<samples, 2 to 8>")
+    if not given or set(given) - {"afresh", "agree", "keep"} or not given.get("agree", "2").isdigit() \
+            or not 2 <= int(given.get("agree", "2")) <= 8 or given.get("keep", "majority") != "majority" \
+            or ("keep" in given and "agree" not in given):
+        raise ValueError(f"bad config {text!r}: local takes afresh=<P>, agree=<samples, 2 to 8> and, with agree, "
+                         "keep=majority")
     below = _afresh(text, "afresh=" + given["afresh"]) if "afresh" in given else None
-    return ConfigSpec(text, "never", escalate_below=below, agree=int(given["agree"]) if "agree" in given else None)
+    return ConfigSpec(text, "never", escalate_below=below, agree=int(given["agree"]) if "agree" in given else None,
+                      keep=given.get("keep", "greedy"))
 
 
 def parse_config(text: str) -> ConfigSpec:

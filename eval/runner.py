@@ -142,7 +142,7 @@ async def evaluate(models: Models, plan: RunPlan, spec: ConfigSpec, item: Item,
     request = DecodeRequest(messages=item.messages, max_tokens=plan.max_tokens, policy=policy,
                             span=spec.span(plan.max_tokens), span_until=spec.until, grammar=grammar,
                             ceiling=ceiling, on_ceiling=spec.on_ceiling, escalation=spec.escalation,
-                            answer_check=AgreementCheck(spec.agree) if spec.agree else models.check,
+                            answer_check=AgreementCheck(spec.agree, answer=spec.keep) if spec.agree else models.check,
                             escalate_below=spec.escalate_below, held=True, answer_lengths=spec.windows.answer_lengths)
     record: dict[str, Any] = {"id": item.id, "row": item.row, "config": spec.name, "dataset": plan.dataset,
                               "gold": item.gold}
@@ -201,7 +201,7 @@ def _outcome(dataset: str, item: Item, decoding: Decoding, wall: float, signals:
         "escalated": usage.escalated, "price_vetoes": usage.price_vetoes, "afresh": usage.afresh,
         "draft_hand_offs": usage.draft_hand_offs,
         "discarded_tokens": usage.discarded_tokens, "answer_confidence": usage.answer_confidence,
-        "agreement": usage.agreement, "sample_tokens": usage.sample_tokens,
+        "agreement": usage.agreement, "majority": usage.majority, "sample_tokens": usage.sample_tokens,
         "finish_reason": decoding.finish_reason, "wall_s": round(wall, 4),
         "prompt_tokens": len(decoding.prompt_tokens),
         "mean_entropy": round(statistics.fmean(entropies), 5), "max_entropy": round(max(entropies), 5),

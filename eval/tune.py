@@ -330,8 +330,8 @@ def routing_for(name: str, options: TuneOptions, fitted: bool) -> dict[str, Any]
     if spec.escalate_below is None:
         return routing
     if spec.agree:
-        return {**routing, "answer_check": {"kind": "agreement", "samples": spec.agree},
-                "escalate_below": spec.escalate_below}
+        check = {"kind": "agreement", "samples": spec.agree, **({"answer": spec.keep} if spec.keep != "greedy" else {})}
+        return {**routing, "answer_check": check, "escalate_below": spec.escalate_below}
     if not fitted:
         raise ValueError(f"{name} needs the fitted answer check")
     return {**routing, "answer_check": str(options.out / CHECK_FILE), "escalate_below": spec.escalate_below}

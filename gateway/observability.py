@@ -131,6 +131,9 @@ class Metrics:
                                    buckets=(0.0, 0.25, 0.34, 0.5, 0.67, 0.75, 0.99, 1.0))
         self.sample_tokens = Counter("gateway_agreement_sample_tokens",
                                      "Local tokens the agreement check's sampled answers took.", ["alias"], registry=r)
+        self.majority = Counter("gateway_agreement_majority_answers", "Answers where the agreement check "
+                                "(answer: majority) kept a sampled answer, the majority's, over the greedy one.",
+                                ["alias"], registry=r)
         self.escalated = Counter("gateway_escalated_requests",
                                  "Answers whose rest the upstream wrote in one call (at the cost ceiling, or "
                                  "escalated early by price-aware routing).", ["alias"], registry=r)
@@ -410,6 +413,7 @@ def _count_answer(record: RequestRecord, admitted: Admitted) -> None:
         if decoding.usage.agreement is not None:
             metrics.agreement.labels(alias).observe(decoding.usage.agreement)
             metrics.sample_tokens.labels(alias).inc(decoding.usage.sample_tokens)
+            metrics.majority.labels(alias).inc(decoding.usage.majority)
     ratio = cost_ratio(admitted.decodings)
     if ratio is not None:
         metrics.cost_ratio.labels(alias).observe(ratio)

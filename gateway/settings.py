@@ -21,7 +21,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from adapters.upstream_settings import LaunchSettings, UpstreamMode, UpstreamSettings  # noqa: F401
 from gateway.presets import Preset, expanded
 from gateway.shadow.config import KnobSettings, OperatorShadowSettings, ShadowSettings, TenantShadow, quality_problem
-from policies.agreement import AnswerFormat
+from policies.agreement import AnswerFormat, KeptAnswer
 from policies.registry import POLICIES
 
 
@@ -112,6 +112,10 @@ class AgreementSettings(Strict):
     temperature: float = Field(0.7, gt=0, le=2, description="Sampling temperature of the other answers.")
     format: AnswerFormat = Field("auto", description="How final answers are read and compared: auto, number, "
                                  "letter, code or text (see docs/routing.md, 'The agreement check').")
+    answer: KeptAnswer = Field("greedy", description="The answer kept: greedy (the greedy answer, rated by "
+                               "the samples that agree with it) or majority (the answer most of the others agree "
+                               "with, the greedy one on a tie, rated the same way; a held answer that asks no "
+                               "logprobs: a streamed one has been shown).")
 
 
 class RoutingSettings(Strict):

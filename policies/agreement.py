@@ -16,7 +16,9 @@ The agreement check (`AgreementCheck`) needs no fitted file, so it serves any lo
 model decodes its greedy answer and `samples - 1` sampled ones together in the batched engine, and
 the answer's agreement is the share of sampled answers whose final answer is the greedy one's. An
 answer whose agreement is below `escalate_below` is asked of the upstream afresh (as the fitted
-check's rating is). Published cascades escalate on exactly this signal (agreement among one model's
+check's rating is). With `answer: majority` the answer kept is the majority's instead: the first of
+the answers (the greedy one first) that most of the others agree with, rated by the share of the
+others that agree with it; the greedy answer wins a tie. Published cascades escalate on exactly this signal (agreement among one model's
 own samples: mixture-of-thought and semantic-agreement cascades).
 """
 
@@ -29,6 +31,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Literal
 
 AnswerFormat = Literal["auto", "code", "letter", "number", "text"]
+KeptAnswer = Literal["greedy", "majority"]
 TEXT_JACCARD = 0.6  # free texts agree when this share of their distinct words is common to both
 
 _FENCE = re.compile(r"```[\w+-]*\n?(.*?)(?:```|$)", re.DOTALL)
@@ -91,18 +94,36 @@ def agreement(answer: str, samples: Sequence[str], fmt: AnswerFormat = "auto") -
     return sum(same_answer(answer, sample, fmt) for sample in samples) / len(samples)
 
 
+def majority(answers: Sequence[str], fmt: AnswerFormat = "auto") -> tuple[int, float]:
+    """The index of the first of `answers` that most of the others agree with, and the share of
+    the others that do (an earlier answer wins a tie)."""
+    if len(answers) < 2:
+        return 0, 1.0
+    shares = [agreement(answer, [*answers[:i], *answers[i + 1:]], fmt) for i, answer in enumerate(answers)]
+    best = max(range(len(answers)), key=lambda i: (shares[i], -i))
+    return best, shares[best]
+
+
 @dataclass(frozen=True)
 class AgreementCheck:
     """Rates an answer by the share of `samples - 1` sampled answers (at `temperature`) that agree
-    with it; `at_tokens` is None: it rates finished answers only."""
+    with it; `answer` says which answer is kept and rated, the greedy one or the majority's (a held
+    answer only: a streamed one has been shown); `at_tokens` is None: it rates finished answers only."""
 
     samples: int = 4
     temperature: float = 0.7
     format: AnswerFormat = "auto"
+    answer: KeptAnswer = "greedy"
     at_tokens: None = None
 
     def confidence(self, answer: str, sampled: Sequence[str]) -> float:
         return agreement(answer, sampled, self.format)
+
+    def kept(self, answer: str, sampled: Sequence[str], held: bool) -> tuple[int, float]:
+        """Which answer is kept (0: the greedy `answer`, i: `sampled[i - 1]`) and its rating."""
+        if self.answer == "majority" and held:
+            return majority([answer, *sampled], self.format)
+        return 0, self.confidence(answer, sampled)
 
 
 def _number(raw: str) -> str | None:

@@ -7,19 +7,19 @@ import asyncio
 import contextlib
 
 import httpx
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
 from adapters.store import Limits, MemoryStore
 from gateway.decoding.decoder import DecodeRequest, Decoding
-from gateway.decoding.signals import Sampling
 from gateway.settings import RoutingOverride, RoutingSettings
 from gateway.tenancy.budget import HandoffGate, Ledger
 from policies import build_policy
-from policies.agreement import AgreementCheck, agreement, answer_format, final_answer, same_answer
+from policies.agreement import AgreementCheck, agreement, answer_format, final_answer, majority, same_answer
 from tests.conftest import ADMIN_KEY, gateway_config, live_gateway
 from tests.fakes import FakeLocalModel, FakeUpstream
-from tests.test_decoder import VOCAB, run
+from tests.test_decoder import VOCAB, invariant, run
 
 
 @pytest.mark.parametrize(("text", "fmt", "final"), [
@@ -48,6 +48,45 @@ def test_answers_agree_by_their_final_answer_not_their_wording():
     assert not same_answer("the quick brown fox", "a slow red dog", "text")
     assert agreement("Answer: 7", ["7", "Answer: 7", "8"]) == pytest.approx(2 / 3)
     assert agreement("Answer: 7", []) == 1.0
+
+
+def test_the_majority_is_the_answer_most_of_the_others_agree_with():
+    assert majority(["A. bank", "B. park", "(B)", "B: a park"], "letter") == (1, pytest.approx(2 / 3))
+    assert majority(["A. bank", "B. park", "A) bank", "C"], "letter") == (0, pytest.approx(1 / 3))  # tie: greedy
+    assert majority(["Answer: 7", "8", "9"]) == (0, 0.0)  # nobody agrees: the greedy answer
+    assert majority(["Answer: 7"]) == (0, 1.0)
+
+
+class SplitVote(FakeLocalModel):
+    """Its likeliest first token is "A." (p 0.27), but "B" spelt three ways holds 0.73 between them:
+    the greedy answer is A, most sampled answers say B. Every answer ends after its first token."""
+
+    def __init__(self) -> None:
+        super().__init__(["A.", "B.", "(B)", "B:"], "")
+
+    async def forward(self, tokens: list[int]) -> np.ndarray:
+        logits = np.full(len(self.vocab), -30.0, dtype=np.float32)
+        if len(tokens) > self.prompt_length:
+            logits[0] = 20.0  # the end
+        else:
+            logits[1:] = (1.0, 0.9, 0.9, 0.9)
+        return logits
+
+
+@pytest.mark.parametrize(("kept", "held", "answer"), [
+    ("majority", True, "B"), ("majority", False, "A"), ("greedy", True, "A")])
+async def test_a_held_answer_may_keep_the_majority_answer(kept, held, answer):
+    check = AgreementCheck(samples=8, temperature=1.0, format="letter", answer=kept)
+    checked = decoding_with_check(SplitVote(), None, check, held=held, escalate_below=None)
+    text = "".join(p.text for p in await run(checked))
+    assert final_answer(text, "letter") == answer and checked.usage.majority == (answer == "B")
+    answers = ["A.", *[sample for sample, _ in await checked._samples.answers()]]  # the greedy one first
+    assert sum(final_answer(a, "letter") == "B" for a in answers) > len(answers) / 2  # B is the majority's
+    others = list(answers)
+    others.remove(text)
+    assert checked.usage.agreement == pytest.approx(agreement(text, others, "letter"), abs=1e-4)
+    assert checked.source_counts()["local"] == len(checked.answer_tokens) == 1
+    invariant(checked)
 
 
 def decoding_with_check(local, upstream, check: AgreementCheck, held: bool = True, escalate_below: float | None = 0.5):
@@ -92,7 +131,8 @@ def test_the_check_is_configured_or_asked_for_and_bad_values_name_the_field():
     routing = RoutingSettings(policy="never", answer_check={"kind": "agreement", "samples": 3}, escalate_below=0.5)
     assert routing.answer_check.samples == 3 and routing.answer_check.temperature == 0.7
     for bad, field in (({"kind": "agreement", "samples": 1}, "samples"), ({"kind": "agreement", "temperature": 0}, "temperature"),
-                       ({"kind": "agreement", "format": "essay"}, "format"), ({"kind": "vote"}, "kind")):
+                       ({"kind": "agreement", "format": "essay"}, "format"), ({"kind": "vote"}, "kind"),
+                       ({"kind": "agreement", "answer": "mode"}, "answer")):
         with pytest.raises(ValidationError) as refused:
             RoutingOverride(answer_check=bad)
         assert refused.value.errors()[0]["loc"] == ("answer_check", field)
@@ -113,11 +153,14 @@ def test_a_real_gateway_reports_the_agreement_of_its_answers(tmp_path):
         assert routing["sample_tokens"] > 0 and routing["upstream_calls"] == 0
         asked = gateway.client().chat.completions.create(
             model="local", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6,
-            extra_body={"routing": {"answer_check": {"kind": "agreement", "samples": 2, "format": "text"}}})
+            extra_body={"routing": {"answer_check": {"kind": "agreement", "samples": 2, "format": "text",
+                                                     "answer": "majority"}}})
         assert asked.usage.model_extra["routing"]["samples"] == 2
+        assert asked.usage.model_extra["routing"]["majority"] is False  # of two answers a tie: the greedy one
         metrics = httpx.get(f"{gateway.base_url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
         assert 'gateway_answer_agreement_count{alias="local"} 2.0' in metrics
         assert 'gateway_agreement_sample_tokens_total{alias="local"}' in metrics
+        assert 'gateway_agreement_majority_answers_total{alias="local"} 0.0' in metrics
 
 
 class OneSequence(FakeLocalModel):

@@ -193,5 +193,5 @@ def _answer_check(alias: Alias, routing: RoutingSettings) -> AnswerCheck | Agree
     the alias's fitted check file (loaded at start-up)."""
     settings = routing.answer_check
     if isinstance(settings, AgreementSettings):
-        return AgreementCheck(settings.samples, settings.temperature, settings.format)
+        return AgreementCheck(settings.samples, settings.temperature, settings.format, settings.answer)
     return alias.answer_check

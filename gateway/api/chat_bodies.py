@@ -57,11 +57,14 @@ def _confidence(usages: list[Any]) -> float | list[float] | None:
 
 def _agreement(usages: list[Any]) -> dict[str, Any]:
     """The agreement check's figures (none without one): answers decoded per choice, each choice's
-    agreement (one value for n = 1), and the local tokens the sampled answers took."""
+    agreement and whether it kept the majority's sampled answer (one value each for n = 1), and the
+    local tokens the sampled answers took."""
     rated = [u.agreement for u in usages]
     if all(r is None for r in rated):
         return {}
+    majority = [u.majority for u in usages]
     return {"samples": usages[0].samples, "agreement": rated[0] if len(rated) == 1 else rated,
+            "majority": majority[0] if len(majority) == 1 else majority,
             "sample_tokens": sum(u.sample_tokens for u in usages)}
 
 

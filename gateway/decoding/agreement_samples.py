@@ -47,9 +47,9 @@ class AgreementSamples:
     async def wait(self) -> None:
         await asyncio.wait([self._task])
 
-    async def texts(self) -> list[str]:
-        """The text of every sampled answer that did not fail, once all have finished."""
-        return [text for text in await self._task if isinstance(text, str)]
+    async def answers(self) -> list[tuple[str, Any]]:
+        """The text and decoding of every sampled answer that did not fail, once all have finished."""
+        return [(text, d) for text, d in zip(await self._task, self._decodings) if isinstance(text, str)]
 
     @property
     def tokens(self) -> int:

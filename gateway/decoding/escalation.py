@@ -20,6 +20,8 @@ afresh again. Every call is held against the request's cost ceiling first.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from adapters.engine import Sequence
@@ -62,10 +64,14 @@ class Escalation:
     async def _checked(self, sequence: Sequence, signals: list[Signal], held: bool) -> list[Piece] | None:
         """Rate the finished answer; if it is held and below the bar, ask the upstream afresh and
         return the fresh answer's pieces (None: the answer stands)."""
-        check = self.request.answer_check
+        check, kept = self.request.answer_check, None
         if isinstance(check, AgreementCheck):
-            confidence = check.confidence(bytes(self.answer_bytes).decode("utf-8", "replace"),
-                                          await self._samples.texts())
+            sampled = await self._samples.answers()
+            replaceable = held and not self.request.logprobs  # the samples' tokens carry no logprobs
+            index, confidence = check.kept(bytes(self.answer_bytes).decode("utf-8", "replace"),
+                                           [text for text, _ in sampled], replaceable)
+            if index:
+                kept = [self._keep_sample(sampled[index - 1][1])]
             self.usage.samples, self.usage.agreement = check.samples, round(confidence, 4)
             self.usage.sample_tokens = self._samples.tokens
         else:
@@ -73,11 +79,20 @@ class Escalation:
         self.usage.answer_confidence = round(confidence, 4)
         below = self.request.escalate_below
         if not held or below is None or confidence >= below or self.calls.closed:
-            return None
+            return kept
         if not self.upstream.available:
             self.usage.degrade("upstream_unavailable")
-            return None
-        return await self._afresh(sequence, signals[0] if signals else None)
+            return kept
+        return await self._afresh(sequence, signals[0] if signals else None) or kept
+
+    def _keep_sample(self, sample: Any) -> Piece:
+        """A sampled answer (the majority's) in place of the greedy one, which nobody has seen."""
+        self.usage.majority = True
+        self.answer_tokens, self.sources = list(sample.answer_tokens), [LOCAL] * len(sample.answer_tokens)
+        self.answer_bytes = bytearray(sample.answer_bytes)
+        self.finish_reason, self._end_token = sample.finish_reason, sample._end_token
+        self.text = TextReleaser(self.request.stop)
+        return Piece(self.text.feed(bytes(self.answer_bytes)), tuple(self.answer_tokens), LOCAL, None)
 
     async def _afresh(self, sequence: Sequence, first: Signal | None, bounded: bool = True) -> list[Piece] | None:
         """The upstream's answer to the prompt alone, in one call, replacing the answer so far;

@@ -111,7 +111,8 @@ class RoutingUsage:
     discarded_tokens: int = 0
     answer_confidence: float | None = None  # the answer check's rating of the local answer
     samples: int | None = None  # with the agreement check: answers decoded in all, the greedy one included
-    agreement: float | None = None  # ... the share of the sampled ones that agree with the greedy one
+    agreement: float | None = None  # ... the share of the sampled ones that agree with the answer kept
+    majority: bool = False  # ... a sampled answer was kept: the majority's, not the greedy one
     sample_tokens: int = 0  # ... the local tokens the sampled answers took
     price_vetoes: int = 0  # steps the policy wanted upstream that were not worth their predicted price
     draft_hand_offs: int = 0  # under escalation: draft, hand-offs the policy wanted, counted and not made
