@@ -23,8 +23,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from policies.base import (LOCAL, UPSTREAM, Decision, Needs, PolicyArgs, PolicyDefaults, PolicyEntry, Route,
-                           RoutingState, Signal)
+from policies.base import (
+    LOCAL,
+    UPSTREAM,
+    Decision,
+    Needs,
+    PolicyArgs,
+    PolicyDefaults,
+    PolicyEntry,
+    Route,
+    RoutingState,
+    Signal,
+)
 from policies.window import RecentValues, SharedWindows
 
 if TYPE_CHECKING:

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from policies.base import (LOCAL, UPSTREAM, Decision, Needs, PolicyArgs, PolicyDefaults, PolicyEntry, RoutingState,
-                           Signal)
+from policies.base import (
+    LOCAL,
+    UPSTREAM,
+    Decision,
+    Needs,
+    PolicyArgs,
+    PolicyDefaults,
+    PolicyEntry,
+    RoutingState,
+    Signal,
+)
 from policies.window import RecentValues, SharedWindows
 
 

@@ -1,7 +1,7 @@
 """The contrast pairs of docs/steering.md's CommonsenseQA measurement: dev rows 150-299, question text only."""
 import json
 
-rows = [json.loads(l) for l in open("../shared/data/commonsenseqa_dev300.jsonl")][150:300]
+rows = [json.loads(l) for l in open("data/commonsenseqa_dev300.jsonl")][150:300]
 def q(r):
     return r["question"] + "\n" + "\n".join(f"{l}. {t}" for l, t in zip(r["choices"]["label"], r["choices"]["text"]))
 concepts = {
