@@ -33,17 +33,19 @@ from typing import Any
 import httpx
 
 from adapters.upstream_server import free_port
-from bench.shadow_replay import KEYS, Records, ask_gateway, ask_upstream, mixed_rows, quality, stream_arguments
+from bench.shadow_replay import (
+    KEYS,
+    Records,
+    ask_gateway,
+    ask_upstream,
+    mixed_rows,
+    quality,
+    stream_arguments,
+    upstream_config,
+)
 from bench.support import SMOL, live_gateway
 from gateway.shadow.figures import wilson
 from policies.agreement import same_answer
-
-
-def _upstream(args: argparse.Namespace, port: int) -> dict[str, Any]:
-    return {"model": "text-completion-openai/qwen", "mode": "tokens", "warm": True, "retries": 0, "timeout_s": 120,
-            "launch": {"gguf": "qwen2.5-coder-0.5b-instruct", "n_threads": 1, "n_ctx": 4096, "parallel": 2,
-                       "port": port},
-            "input_usd_per_mtok": args.input_usd, "output_usd_per_mtok": args.output_usd}
 
 
 def _routing(threshold: float) -> dict[str, Any]:
@@ -54,7 +56,7 @@ def gateway_config(args: argparse.Namespace, port: int, aliases: dict[str, Any])
     return {
         "server": {"host": "127.0.0.1", "port": free_port(), "queue_limit": 16},
         "models": {"local": {"smol": {"gguf": SMOL, "n_ctx": 4096, "n_threads": 1}}},
-        "upstreams": {"qwen": _upstream(args, port)},
+        "upstreams": {"qwen": upstream_config(args, port)},
         "aliases": {name: {"local": "smol", "upstream": "qwen", "routing": routing}
                     for name, routing in aliases.items()},
         "store": {"backend": "redis", "url": args.redis_url, "key_prefix": f"quality-target-{args.run}"},

@@ -45,6 +45,15 @@ KEYS = {"SHADOWED_KEY": "sk-shadowed", "PLAIN_KEY": "sk-plain", "REPLAY_ADMIN_KE
 DATASETS = ("csqa", "gsm8k", "humaneval", "ifeval")
 
 
+def upstream_config(args: argparse.Namespace, port: int) -> dict[str, Any]:
+    """The replay's upstream: Qwen2.5-Coder-0.5B launched as llama-server on `port`, priced by --input-usd
+    and --output-usd."""
+    return {"model": "text-completion-openai/qwen", "mode": "tokens", "warm": True, "retries": 0, "timeout_s": 120,
+            "launch": {"gguf": "qwen2.5-coder-0.5b-instruct", "n_threads": 1, "n_ctx": 4096, "parallel": 2,
+                       "port": port},
+            "input_usd_per_mtok": args.input_usd, "output_usd_per_mtok": args.output_usd}
+
+
 def gateway_config(args: argparse.Namespace, upstream_port: int) -> dict[str, Any]:
     store = {"backend": "memory"}
     if args.store == "redis":
@@ -52,11 +61,7 @@ def gateway_config(args: argparse.Namespace, upstream_port: int) -> dict[str, An
     return {
         "server": {"host": "127.0.0.1", "port": free_port(), "queue_limit": 16},
         "models": {"local": {"smol": {"gguf": SMOL, "n_ctx": 4096, "n_threads": 1}}},
-        "upstreams": {"qwen": {
-            "model": "text-completion-openai/qwen", "mode": "tokens", "warm": True, "retries": 0, "timeout_s": 120,
-            "launch": {"gguf": "qwen2.5-coder-0.5b-instruct", "n_threads": 1, "n_ctx": 4096, "parallel": 2,
-                       "port": upstream_port},
-            "input_usd_per_mtok": args.input_usd, "output_usd_per_mtok": args.output_usd}},
+        "upstreams": {"qwen": upstream_config(args, upstream_port)},
         "aliases": {"routed": {"local": "smol", "upstream": "qwen", "routing": {
             "policy": "entropy", "threshold": 3.0, "span": 1, "shadow": {"rate": args.rate}}}},
         "store": store,
