@@ -63,7 +63,8 @@ class Escalation:
 
     async def _checked(self, sequence: Sequence, signals: list[Signal], held: bool) -> list[Piece] | None:
         """Rate the finished answer; if it is held and below the bar, ask the upstream afresh and
-        return the fresh answer's pieces (None: the answer stands)."""
+        return the fresh answer's pieces, else those of the sampled answer an agreement check kept
+        in its place (answer: majority; None: the answer stands)."""
         check, kept = self.request.answer_check, None
         if isinstance(check, AgreementCheck):
             sampled = await self._samples.answers()
