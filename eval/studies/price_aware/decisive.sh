@@ -7,7 +7,10 @@
 #      CommonsenseQA rows 922-1,221, untouched by any fit or choice (upstream-only borrowed from the
 #      agreement check's report run, which decoded the same rows on the same pair);
 #   2. the landed price-aware CommonsenseQA figures decoded again with the current code (rows
-#      0-199; local, upstream-only and the price-blind routers borrowed as before).
+#      0-199; local, upstream-only and the price-blind routers borrowed as before), and the shipped
+#      divergent router priced on the untouched rows. Not decoded again: the run behind a cached
+#      1,595-token system prompt, whose records show no veto and one hand-off (the letter, an answer's
+#      first) per question, which the current code makes too.
 # Long answers (GSM8K, HumanEval, IFEval) are not decoded again: no answer there is expected to run
 # 16 tokens or fewer, so their decisions do not change.
 # Resumable: rerun to continue.   nohup bash eval/studies/price_aware/decisive.sh > decisive.log 2>&1 &
@@ -32,11 +35,7 @@ csqa() {  # run, sheet, configs...
 csqa price_decisive_csqa_frontier-openai frontier-openai learned@0.05,value=1 learned@0.1,value=1
 csqa price_decisive_csqa_deepseek deepseek learned@0.05,value=1
 
-run=price_decisive_csqa_system1500_frontier-openai
-$EVAL borrow --run-name $run --from-run price_csqa_system1500_frontier-openai --dataset csqa --configs local upstream learned@0.05
-$EVAL run --dataset csqa --rows 0:200 --run-name $run --warm --block 5 --router $CSQA_ROUTER \
-  --decision-sheet frontier-openai --system data/system_prompt_assistant.md --configs learned@0.05,value=1
-
-# the same preset's router with hand-offs (no draft), on the report rows
-$EVAL run --dataset csqa --data $REPORT_ROWS --rows 0:300 --run-name price_decisive_csqa_report --warm --block 10 \
-  --router $MIXED --decision-sheet frontier-openai --configs learned@0.05,from=traffic,value=1
+# the case: the shipped divergent router at its fitted 5% on the untouched rows (price-blind
+# beside it: results/steering/runs/csqa_routed_plain, the same rows, pair, router and flags)
+$EVAL run --dataset csqa --data $REPORT_ROWS --rows 0:300 --run-name price_decisive_csqa_report_divergent --warm \
+  --block 10 --router $CSQA_ROUTER --decision-sheet frontier-openai --configs learned@0.05,value=1
