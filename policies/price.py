@@ -11,13 +11,15 @@ for the whole answer (`direct_price`), so the bar is a unitless share that rises
 this hand-off: one whose prefix the provider reads from its cache at a tenth of the price clears
 it far more easily than one that re-bills a long prefix.
 
-A short answer's deciding hand-off is weighed against asking directly instead: the first hand-off
-(made or drafted) of an answer expected to run at most SHORT_ANSWER_TOKENS tokens, a label, an
-option, a number. Such an answer turns on its first uncertain step, and its prompt is most of its
-price, so that hand-off costs most of what asking directly does: the bar above would veto it unless
-the policy were nearly sure, though the alternatives are staying local, wrong at the chance the
-policy judged too high, or asking directly, which buys the same step for more. It is made whenever
-it costs at most answer_value x direct_price, a draft included (`Decision.decisive`).
+In an answer expected to run at most SHORT_ANSWER_TOKENS tokens (a label, an option, a number) a
+hand-off is weighed against asking directly instead. Such an answer turns on one or two of its
+steps, and its prompt is most of its price, so each hand-off costs most of what asking directly
+does: the bar above would veto the deciding step unless the policy were nearly sure, though the
+alternatives are staying local, wrong at the chance the policy judged too high, or asking
+directly, which buys the same step for more. Which step decides is not known as it is decoded (an
+upstream that opens with "The correct answer is" writes the letter on its fifth step), so every
+hand-off the policy wants in such an answer is made when it costs at most answer_value x
+direct_price, a draft's included (`Decision.decisive`).
 
 Escalation: after `min_calls` hand-offs, the running rate of hand-offs per answer token predicts
 how many are still to come; once those would cost (at this hand-off's price) at least what the
@@ -48,19 +50,17 @@ class PriceAware(Wrapping):
         if not wanted.upstream:
             return wanted
         need = (1.0 - signal.top1) if wanted.need is None else wanted.need
-        if self.decisive(state):
-            return dataclasses.replace(wanted, need=need, decisive=True)
-        if need * self.answer_value * state.direct_price_usd < state.handoff_price_usd:
+        decisive = self.decisive(state)
+        if not decisive and need * self.answer_value * state.direct_price_usd < state.handoff_price_usd:
             return Decision(Route.LOCAL, vetoed="price")
         if self.escalate and self.hand_over_rest(state):
             return Decision(Route.UPSTREAM, escalate=True, need=need)
-        return wanted
+        return dataclasses.replace(wanted, decisive=decisive) if decisive else wanted
 
     def decisive(self, state: RoutingState) -> bool:
-        """A short answer's first hand-off, costing at most what the answer is worth."""
-        first = state.upstream_calls + state.drafted_calls == 0
+        """A hand-off in a short answer, costing at most what the answer is worth."""
         short = state.answer_tokens + state.rest_tokens <= SHORT_ANSWER_TOKENS
-        return first and short and state.handoff_price_usd <= self.answer_value * state.direct_price_usd
+        return short and state.handoff_price_usd <= self.answer_value * state.direct_price_usd
 
     def hand_over_rest(self, state: RoutingState) -> bool:
         """The hand-offs the running rate predicts cost at least the upstream writing the rest."""

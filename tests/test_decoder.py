@@ -182,12 +182,12 @@ async def test_a_draft_the_price_rule_never_escalates_costs_nothing_upstream():
 async def test_a_short_answers_draft_makes_the_hand_off_it_turns_on():
     upstream = FakeUpstream("Paris is nice.")
     unsure_first = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset({0}), lean=2.0)
-    # 4 tokens allowed: a short answer, which turns on its first uncertain step
-    decoding, _ = make(unsure_first, upstream, ceiling=ceiling(None), answer_value=1.0, escalation="draft",
-                       held=True, max_tokens=4)
+    # 4 tokens allowed: a short answer, whose hand-off costs most of asking directly
+    decoding, _ = make(unsure_first, upstream, policy="entropy", threshold=1.0, ceiling=ceiling(None),
+                       answer_value=1.0, escalation="draft", held=True, max_tokens=4)
     await run(decoding)
     assert decoding.sources[0] == "upstream" and len(upstream.calls) == 1 and upstream.calls[0].answer == ""
-    assert not decoding.usage.afresh and decoding.usage.price_vetoes > 0  # later steps weighed by their need
+    assert not decoding.usage.afresh and decoding.usage.draft_hand_offs == 0
     invariant(decoding)
 
 

@@ -1,10 +1,8 @@
 """Price-aware routing: a hand-off is made only when its chance of being needed, times what the
-answer is worth, covers its predicted price, or when a short answer turns on it; a costly running
-rate of hand-offs escalates."""
+answer is worth, covers its predicted price, or in a short answer when it costs less than asking
+directly; a costly running rate of hand-offs escalates."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 import pytest
@@ -47,19 +45,17 @@ def test_a_prompt_under_the_providers_cache_minimum_is_never_priced_as_cached():
     assert policy.decide(Signal(3.0, 0.3, 0.1, 40), short).upstream  # need 0.7 clears it
 
 
-def test_a_short_answers_first_hand_off_is_weighed_against_asking_directly():
+def test_a_short_answers_hand_offs_are_weighed_against_asking_directly():
     policy = build_policy("always", answer_value=1.0, early_escalation=False)
     letter = handoff(prompt=84, answered=0, reused=0, limit=5)  # an option letter: 0.74 of asking directly
     decision = policy.decide(UNSURE, letter)  # need 0.2 would not clear the bar
-    assert decision.upstream and decision.decisive and decision.need == pytest.approx(0.2)
-    second = dataclasses.replace(letter, upstream_calls=1)  # only the first
-    assert policy.decide(UNSURE, second).vetoed == "price"
-    drafted = dataclasses.replace(letter, drafted_calls=1)
-    assert policy.decide(UNSURE, drafted).vetoed == "price"
+    assert decision.upstream and decision.decisive
+    later = handoff(prompt=84, answered=4, reused=0, limit=5, calls=1)  # "The correct answer is" and now the letter
+    assert policy.decide(UNSURE, later).decisive
     assert build_policy("always", answer_value=0.5, early_escalation=False).decide(UNSURE, letter).vetoed == "price"
 
 
-def test_a_long_answers_first_hand_off_meets_the_bar():
+def test_a_longer_answers_hand_off_meets_the_bar():
     policy = build_policy("always", answer_value=1.0, early_escalation=False)
     first = handoff(prompt=600, answered=0, reused=0, limit=17)  # one token more than a short answer
     decision = policy.decide(Signal(1.0, 0.95, 0.9, 0), first)  # need 0.05, 0.8 of asking directly
