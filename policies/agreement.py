@@ -18,8 +18,9 @@ the answer's agreement is the share of sampled answers whose final answer is the
 answer whose agreement is below `escalate_below` is asked of the upstream afresh (as the fitted
 check's rating is). With `answer: majority` the answer kept is the majority's instead: the first of
 the answers (the greedy one first) that most of the others agree with, rated by the share of the
-others that agree with it; the greedy answer wins a tie. Published cascades escalate on exactly this signal (agreement among one model's
-own samples: mixture-of-thought and semantic-agreement cascades).
+others that agree with it; the greedy answer wins a tie. Published cascades escalate on exactly
+this signal (agreement among one model's own samples: mixture-of-thought and semantic-agreement
+cascades).
 """
 
 from __future__ import annotations

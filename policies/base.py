@@ -58,7 +58,8 @@ class Decision:
     and `need` is the policy's chance that the hand-off is needed (None: it has no such estimate);
     for a local one, `vetoed` says what turned an upstream step local ("cap", "budget" when the
     tenant's budget would not cover it, "price" when the hand-off was not worth its price).
-    `decisive`: a hand-off the answer turns on, made even in a draft (policies.price)."""
+    `decisive`: a short answer's hand-off, weighed against asking directly and made even in a
+    draft (policies.price)."""
 
     route: Route
     room: int | None = None
