@@ -9,7 +9,7 @@ kind of upstream, in one word. Fields given beside a preset override its values.
   on (docs/routing.md, Presets): GSM8K 53.0% (local 33.0%, upstream-only 55.0%) at 0.88x
   upstream-only's cost per correct answer, HumanEval 65.2% (53.7%, 68.3%) at 0.54x; on
   CommonsenseQA's one-letter answers it gains nothing (25.0% against 22.3%, upstream-only 56.3%):
-  5% of steps is the letter of one question in seven.
+  5% of steps reaches the letter of one question in eight.
 - `self-hosted` (an upstream you run, billed by nothing but its compute): the same router and
   share, hand-offs unpriced.
 
