@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# Price-aware decisions on short answers (docs/studies/price_aware.md, "The deciding hand-off"): in
+# Price-aware decisions on short answers (docs/studies/price_aware.md, "Short answers' hand-offs"): in
 # an answer expected to run at most 16 tokens a hand-off is weighed against asking directly, not
-# against its need. The reference pair, upstream as llama-server,
-# decisions priced on the sheet named; answer_value 1 as before. In order of what they decide:
-#   1. the token-billed preset as served (mixed router at 5% from traffic, value 1, drafts) on
-#      CommonsenseQA rows 922-1,221, untouched by any fit or choice (upstream-only borrowed from the
-#      agreement check's report run, which decoded the same rows on the same pair);
-#   2. the landed price-aware CommonsenseQA figures decoded again with the current code (rows
-#      0-199; local, upstream-only and the price-blind routers borrowed as before), and the shipped
-#      divergent router priced on the untouched rows. Not decoded again: the run behind a cached
-#      1,595-token system prompt, whose records show no veto and one hand-off (the letter, an answer's
-#      first) per question, which the current code makes too.
-# Long answers (GSM8K, HumanEval, IFEval) are not decoded again: no answer there is expected to run
-# 16 tokens or fewer, so their decisions do not change.
+# against its need. The reference pair, upstream as llama-server, decisions priced on the sheet
+# named; answer_value 1 as before. In order of what they decide:
+#   1. the shipped divergent router priced on CommonsenseQA rows 922-1,221, untouched by any fit or
+#      choice (price-blind beside it: results/steering/runs/csqa_routed_plain);
+#   2. the landed price-aware CommonsenseQA figures decoded again (rows 0-199; local, upstream-only
+#      and the price-blind routers borrowed as before);
+#   3. the token-billed preset as served (mixed router at 5% from traffic, value 1, drafts) on rows
+#      922-1,221 (upstream-only borrowed from the agreement check's report run: same rows and pair).
+# Not decoded again: the run behind a cached 1,595-token system prompt, whose records show no veto
+# and one hand-off per question, which the current code makes too; and long answers (GSM8K,
+# HumanEval, IFEval), where no answer is expected to run 16 tokens or fewer.
 # Resumable: rerun to continue.   nohup bash eval/studies/price_aware/decisive.sh > decisive.log 2>&1 &
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
