@@ -60,7 +60,8 @@ class PriceAware(Wrapping):
     def decisive(self, state: RoutingState) -> bool:
         """A hand-off in a short answer, costing at most what the answer is worth."""
         short = state.answer_tokens + state.rest_tokens <= SHORT_ANSWER_TOKENS
-        return short and state.handoff_price_usd <= self.answer_value * state.direct_price_usd
+        priced = state.direct_price_usd > 0  # unpriced (a free upstream) says nothing of the answer's length
+        return priced and short and state.handoff_price_usd <= self.answer_value * state.direct_price_usd
 
     def hand_over_rest(self, state: RoutingState) -> bool:
         """The hand-offs the running rate predicts cost at least the upstream writing the rest."""
