@@ -191,6 +191,18 @@ async def test_a_short_answers_draft_makes_the_hand_off_it_turns_on():
     invariant(decoding)
 
 
+async def test_a_draft_holding_a_short_answers_hand_offs_escalates_by_continuing_it():
+    upstream = FakeUpstream("Paris is nice.")
+    unsure = FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0)
+    # every step wanted upstream: the short answer's hand-offs are made, then the running rate escalates
+    decoding, _ = make(unsure, upstream, policy="entropy", threshold=1.0, ceiling=ceiling(None),
+                       answer_value=1.0, escalation="draft", held=True, max_tokens=8)
+    assert "".join(p.text for p in await run(decoding)) == "Paris is nice."
+    assert decoding.usage.escalated and not decoding.usage.afresh and decoding.usage.discarded_tokens == 0
+    assert [call.answer for call in upstream.calls][-1] != ""  # the last call continued the answer
+    invariant(decoding)
+
+
 @pytest.mark.parametrize("escalation", ["afresh", "draft"])
 async def test_a_streamed_answer_escalates_by_continuing_whatever_the_request_says(escalation):
     upstream = FakeUpstream("Paris is nice.")

@@ -14,8 +14,10 @@ or would pass the ceiling under `on_ceiling: local`, the answer is finished loca
 each hand-off the policy wants is only counted (`draft_hand_offs`: the price rule's running rate
 counts them as calls, the caps do not), and an escalation asks afresh; a hand-off made before a
 fresh answer replaces the draft is money spent on text thrown away (on GSM8K 81 of 100 answers
-escalated). An answer the upstream finished by escalating is neither rated by the check nor asked
-afresh again. Every call is held against the request's cost ceiling first.
+escalated). The exception is a short answer's hand-offs, which a draft makes (policies/price.py):
+a draft holding them escalates by continuing, so the text paid for is kept. An answer the upstream
+finished by escalating is neither rated by the check nor asked afresh again. Every call is held
+against the request's cost ceiling first.
 """
 
 from __future__ import annotations
@@ -42,8 +44,13 @@ class Escalation:
 
     @property
     def _escalates_afresh(self) -> bool:
-        """An escalation asks afresh: the answer is held (nothing shown) and the request says so."""
-        return self.request.held and self.request.escalation in ("afresh", "draft")
+        """An escalation asks afresh: the answer is held (nothing shown) and the request says so. A
+        draft holding a short answer's hand-offs is continued instead, so text paid for is kept."""
+        if not self.request.held:
+            return False
+        if self.request.escalation == "draft":
+            return all(source == LOCAL for source in self.sources)
+        return self.request.escalation == "afresh"
 
     @property
     def _drafts(self) -> bool:
