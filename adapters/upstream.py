@@ -28,7 +28,7 @@ from adapters.continuation_modes import Handoff, mode_for
 from adapters.litellm_client import litellm
 from adapters.pricing import Prices
 from adapters.store import MemoryStore, Store
-from adapters.upstream_errors import CircuitBreaker, UpstreamBusy, UpstreamRejected, UpstreamUnavailable, is_transient
+from adapters.upstream_errors import CircuitBreaker, UpstreamRejected, UpstreamUnavailable, is_transient
 from adapters.upstream_settings import UpstreamSettings, api_key_of
 from adapters.upstream_usage import CallUsage, read_usage
 from adapters.vocabulary import Vocabulary

@@ -20,7 +20,7 @@ import pytest
 from adapters.cache_isolation import TenantSlots
 from adapters.redis_store import RedisStore
 from adapters.store import MemoryStore, long_lease_limits
-from adapters.upstream import UpstreamBusy
+from adapters.upstream_errors import UpstreamBusy
 from tests.conftest import ADMIN_KEY, SMOL, gateway_config, live_gateway
 from tests.fakes import FakeLocalModel, FakeUpstream
 from tests.test_decoder import VOCAB, make, run

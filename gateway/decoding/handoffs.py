@@ -20,7 +20,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from adapters.store import Billed, Reservation
-from adapters.upstream import Continuation, Continuations, Handoff, UpstreamBusy, UpstreamRejected, UpstreamUnavailable
+from adapters.upstream import Continuation, Continuations, Handoff, UpstreamRejected, UpstreamUnavailable
+from adapters.upstream_errors import UpstreamBusy
 from gateway.decoding.spans import cut_span
 from gateway.decoding.values import CACHE, UPSTREAM, DecodeRequest, RoutingUsage, Written
 from gateway.tenancy.budget import RESERVATION_MARGIN_S, billed

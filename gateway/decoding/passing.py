@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.store import Billed, Reservation
-from adapters.upstream import Upstream, UpstreamBusy, UpstreamRejected, UpstreamUnavailable
+from adapters.upstream import Upstream, UpstreamRejected, UpstreamUnavailable
+from adapters.upstream_errors import UpstreamBusy
 from gateway.decoding.handoffs import Gate
 from gateway.wire.errors import GatewayError, InvalidRequest, Overloaded
 from gateway.wire.schemas import ChatCompletionRequest
