@@ -70,7 +70,8 @@ def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> 
         return int(np.argmax(logits))
     # shift before dividing: a tiny temperature then sends the others to -inf, not inf - inf = nan
     shifted = logits.astype(np.float64) - float(logits.max())
-    probs = np.exp(shifted / sampling.temperature)
+    with np.errstate(over="ignore"):  # the overflow to -inf is the point: those tokens get probability 0
+        probs = np.exp(shifted / sampling.temperature)
     probs /= probs.sum()
     if sampling.top_p < 1.0:
         order = np.argsort(-probs)
