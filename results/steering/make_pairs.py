@@ -1,14 +1,32 @@
-"""The contrast pairs of docs/steering.md's CommonsenseQA measurement: dev rows 150-299, question text only."""
+"""The contrast pairs of docs/steering.md's measurements, question text only (no gold answer is read).
+
+CommonsenseQA: dev rows 150-299. GSM8K: train rows 0-149 (none of them is a dev or report row).
+"""
 import json
 
-rows = [json.loads(l) for l in open("data/commonsenseqa_dev300.jsonl")][150:300]
-def q(r):
-    return r["question"] + "\n" + "\n".join(f"{l}. {t}" for l, t in zip(r["choices"]["label"], r["choices"]["text"]))
+
+def csqa_question(row: dict) -> str:
+    options = "\n".join(f"{label}. {text}" for label, text in zip(row["choices"]["label"], row["choices"]["text"]))
+    return f"{row['question']}\n{options}"
+
+
+def rows(path: str, start: int, stop: int) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f][start:stop]
+
+
 concepts = {
-    "csqa_letter_stop": ("Answer with the option letter only, then stop.", "Explain your reasoning step by step before you give the answer."),
-    "csqa_brevity": ("Answer in as few words as you can.", "Answer at length, in several detailed paragraphs."),
+    "csqa_letter_stop": ([csqa_question(r) for r in rows("data/commonsenseqa_dev300.jsonl", 150, 300)],
+                         "Answer with the option letter only, then stop.",
+                         "Explain your reasoning step by step before you give the answer."),
+    "csqa_brevity": ([csqa_question(r) for r in rows("data/commonsenseqa_dev300.jsonl", 150, 300)],
+                     "Answer in as few words as you can.",
+                     "Answer at length, in several detailed paragraphs."),
+    "gsm8k_brevity": ([r["question"] for r in rows("data/gsm8k_train7473.jsonl", 0, 150)],
+                      "Solve it briefly: only the key calculations, in as few words as you can.",
+                      "Solve it at length: explain every step in full detail, in several paragraphs."),
 }
-for name, (pos, neg) in concepts.items():
+for name, (questions, positive, negative) in concepts.items():
     with open(f"results/steering/{name}.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps({"positive": f"{q(r)}\n{pos}", "negative": f"{q(r)}\n{neg}"}) + "\n")
+        for question in questions:
+            f.write(json.dumps({"positive": f"{question}\n{positive}", "negative": f"{question}\n{negative}"}) + "\n")
