@@ -25,7 +25,7 @@ from bench.support import ROOT, SMOL, gateway_config, live_gateway, prompt
 from gateway.runtime import steering_of
 from gateway.settings import SettingsError, load_settings
 from gateway.steering.fit import directions
-from gateway.steering.probe import held_out_accuracy
+from gateway.steering.probe import held_out_accuracy, transfer_accuracy
 
 # -- files and maths (no model) --
 
@@ -75,6 +75,16 @@ def test_the_probe_separates_a_linear_contrast_and_not_noise():
     negative, positive = rng.normal(size=(60, 50)), rng.normal(size=(60, 50))
     assert held_out_accuracy(positive + shift, negative) >= 0.9
     assert 0.3 <= held_out_accuracy(positive, negative) <= 0.7
+
+
+def test_a_probe_transfers_where_two_sets_share_the_contrast_and_not_where_they_do_not():
+    rng = np.random.default_rng(3)
+    shared, own = np.zeros(50), np.zeros(50)
+    shared[0], own[1] = 4.0, 4.0
+    a_negative, b_negative = rng.normal(size=(60, 50)), rng.normal(size=(60, 50)) + 3.0  # b: another task's offset
+    a_positive = rng.normal(size=(60, 50)) + shared
+    assert transfer_accuracy(a_positive, a_negative, rng.normal(size=(60, 50)) + 3.0 + shared, b_negative) >= 0.9
+    assert 0.3 <= transfer_accuracy(a_positive, a_negative, rng.normal(size=(60, 50)) + 3.0 + own, b_negative) <= 0.7
 
 
 @pytest.mark.parametrize("layers", [[0, 3], [5, 3]])
@@ -343,4 +353,5 @@ async def test_steer_fit_and_report_commands(tmp_path, smol_path, smol_shape):
     accuracy = report["probe_accuracy"]["french"]
     assert len(accuracy) == n_layer and max(accuracy) >= 0.9
     assert report["cosine"]["same_layer"][1:] == pytest.approx([1.0] * (n_layer - 1), abs=1e-4)  # a concept with itself
+    assert max(report["transfer_accuracy"]["french -> french"]) >= 0.9
     assert (out / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -25,6 +25,17 @@ def held_out_accuracy(positive: np.ndarray, negative: np.ndarray, folds: int = 5
     return right / (2 * pairs)
 
 
+def transfer_accuracy(train_positive: np.ndarray, train_negative: np.ndarray, test_positive: np.ndarray,
+                      test_negative: np.ndarray) -> float:
+    """Share of the test pairs whose positive prompt a probe fitted on all the train pairs scores
+    above that pair's negative one: whether the contrast read in one set (a wording, a task) is the
+    one read in another. Compared within pairs, so an offset between the sets (another task's
+    prompts) does not count; 0.5 is chance."""
+    weights, _, mean, std = _fit(np.concatenate([train_positive, train_negative]),
+                                 np.r_[np.ones(len(train_positive)), np.zeros(len(train_negative))])
+    return float(np.mean((test_positive - mean) / std @ weights > (test_negative - mean) / std @ weights))
+
+
 def _fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
     """Gradient descent on the mean log-loss plus L2/2n |w|^2, with the step 1/Lipschitz constant."""
     x = x.astype(np.float64)

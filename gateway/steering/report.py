@@ -1,10 +1,11 @@
 """The "Intervention Detector" read-outs for contrast concepts on one local model.
 
 Per layer: a linear probe's held-out accuracy at telling a concept's positive prompts from its
-negative ones (where the concept is linearly readable, hence worth steering), and the cosine
-between two concepts' mean-difference directions (concepts that share a direction steer
-together). The picture shows the accuracies as a concepts-by-layers heatmap and the cosines as a
-layers-by-layers heatmap (the diagonal is the same-layer cosine; with one concept, its own
+negative ones (where the concept is linearly readable, hence worth steering); with two concepts,
+each one's probe scored on the other's pairs (transfer: whether what is read is shared, not the
+words of one set of prompts) and the cosine between their mean-difference directions (concepts
+that share a direction steer together). The picture shows the accuracies as a rows-by-layers
+heatmap and the cosines as a layers-by-layers heatmap (the diagonal is the same-layer cosine; with one concept, its own
 direction against itself: where it stays the same, one vector serves a range of layers).
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from gateway.steering.fit import ContrastModel, directions
-from gateway.steering.probe import held_out_accuracy
+from gateway.steering.probe import held_out_accuracy, transfer_accuracy
 from gateway.steering.prompts import Pair
 
 
@@ -26,13 +27,29 @@ class Readout:
     concept: str
     accuracy: list[float]  # per layer
     direction: np.ndarray  # mean difference [n_layer, n_embd]
+    positive: np.ndarray  # the captured states [pairs, n_layer, n_embd]
+    negative: np.ndarray
 
 
 def readout(model: ContrastModel, pairs: list[Pair], concept: str, folds: int = 5) -> Readout:
     """Capture `pairs` on `model` and read the concept out at every layer."""
     positive, negative = model.pair_states(pairs)
     accuracy = [held_out_accuracy(positive[:, layer], negative[:, layer], folds) for layer in range(positive.shape[1])]
-    return Readout(concept, accuracy, directions(positive, negative, "mean"))
+    return Readout(concept, accuracy, directions(positive, negative, "mean"), positive, negative)
+
+
+def transfer(source: Readout, target: Readout) -> list[float]:
+    """Per layer: `source`'s probe, fitted on all its pairs, scored on `target`'s (probe.transfer_accuracy)."""
+    return [transfer_accuracy(source.positive[:, layer], source.negative[:, layer], target.positive[:, layer],
+                              target.negative[:, layer]) for layer in range(len(source.accuracy))]
+
+
+def transfers(readouts: list[Readout]) -> dict[str, list[float]]:
+    """With two concepts, each one's probe on the other's pairs, by 'source -> target'; else none."""
+    if len(readouts) < 2:
+        return {}
+    a, b = readouts[:2]
+    return {f"{a.concept} -> {b.concept}": transfer(a, b), f"{b.concept} -> {a.concept}": transfer(b, a)}
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -43,24 +60,31 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def summary(readouts: list[Readout]) -> dict:
-    """The read-outs as JSON: per concept its accuracies, and the same-layer cosines of the first two."""
+    """The read-outs as JSON: per concept its accuracies; of the first two, the transfers and the
+    same-layer cosines."""
     out: dict = {"layers": len(readouts[0].accuracy),
                  "probe_accuracy": {r.concept: [round(a, 4) for a in r.accuracy] for r in readouts}}
     if len(readouts) > 1:
+        out["transfer_accuracy"] = {name: [round(a, 4) for a in rows] for name, rows in transfers(readouts).items()}
         out["cosine"] = {"concepts": [readouts[0].concept, readouts[1].concept],
                          "same_layer": [round(float(c), 4) for c in np.diag(cosines(readouts[0].direction,
                                                                                     readouts[1].direction))]}
     return out
 
 
+def accuracies(readouts: list[Readout]) -> dict[str, list[float]]:
+    """Per layer, each concept's held-out probe accuracy, then the transfers (by 'source -> target')."""
+    return {r.concept: r.accuracy for r in readouts} | transfers(readouts)
+
+
 def table(readouts: list[Readout]) -> str:
-    """A layer-per-line text table of the read-outs."""
-    head = "layer " + " ".join(f"{r.concept[:14]:>14}" for r in readouts)
+    """A layer-per-line text table of the read-outs: accuracies, transfers, the same-layer cosine."""
+    rows = accuracies(readouts)
     same = np.diag(cosines(readouts[0].direction, readouts[-1].direction)) if len(readouts) > 1 else None
-    head += "     cosine" if same is not None else ""
+    head = "layer " + " ".join(f"{name[:24]:>24}" for name in rows) + ("     cosine" if same is not None else "")
     lines = [head]
     for layer in range(len(readouts[0].accuracy)):
-        line = f"{layer:5d} " + " ".join(f"{r.accuracy[layer]:14.3f}" for r in readouts)
+        line = f"{layer:5d} " + " ".join(f"{row[layer]:24.3f}" for row in rows.values())
         lines.append(line + (f" {same[layer]:10.3f}" if same is not None else ""))
     return "\n".join(lines)
 
@@ -73,11 +97,12 @@ def heatmap(readouts: list[Readout], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     other = readouts[1] if len(readouts) > 1 else readouts[0]
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 10), height_ratios=[1, 4])
-    image = top.imshow([r.accuracy for r in readouts], aspect="auto", vmin=0.5, vmax=1.0, cmap="viridis")
-    top.set_yticks(range(len(readouts)), [r.concept for r in readouts])
+    rows = accuracies(readouts)
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 10 + 0.3 * len(rows)), height_ratios=[len(rows), 8])
+    image = top.imshow(list(rows.values()), aspect="auto", vmin=0.5, vmax=1.0, cmap="viridis")
+    top.set_yticks(range(len(rows)), list(rows))
     top.set_xlabel("layer")
-    top.set_title("linear probe held-out accuracy")
+    top.set_title("linear probe accuracy: held out within a concept; across concepts (source -> target)")
     figure.colorbar(image, ax=top)
     image = bottom.imshow(cosines(readouts[0].direction, other.direction), vmin=-1, vmax=1, cmap="RdBu_r")
     bottom.set_xlabel(f"layer ({other.concept})")
