@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from adapters.local_model import LocalModelError
 from adapters.model_files import CATALOG, ModelFileError, resolve_model
 from adapters.upstream_server import UpstreamServerError
-from gateway.observability import configure_logging
+from gateway.logs import configure_logging
 from gateway.settings import ServerSettings, Settings, SettingsError, load_settings
 from gateway.steering.cli import register as steering_commands
 from policies.learned import RouterError

@@ -1,4 +1,5 @@
-"""Metrics and logs: a Prometheus registry per app, one JSON log line per event, request ids.
+"""Metrics and request logs: a Prometheus registry per app, one log line per request (gateway/logs.py
+formats them).
 
 Every app gets its own `Metrics` (its own CollectorRegistry), so several apps can live in one
 process (tests) without clashing. Labels are deliberately few and bounded: `endpoint` (an API
@@ -22,14 +23,10 @@ import asyncio
 import contextvars
 import dataclasses
 import inspect
-import json
 import logging
-import re
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -59,7 +56,6 @@ UNKNOWN = "unknown"
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
 STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("gateway_request_id", default=None)
 
 
 class Metrics:
@@ -516,61 +512,3 @@ def _upstream_failure(exc: BaseException) -> str:
     cause = exc.__cause__ or exc
     timeouts = (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException, openai.APITimeoutError)
     return "timeout" if isinstance(cause, timeouts) else "error"
-
-
-# -- logging --
-
-_SECRET = re.compile(r"(?i)\b(bearer\s+)[^\s\"',;]+|\bsk-[A-Za-z0-9_\-]{2,}")
-_RECORD_FIELDS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "request_id", "color_message"}
-_PLAIN = (str, int, float, bool, list, dict)  # other attributes are libraries' own bookkeeping
-
-
-def redact(text: str) -> str:
-    """Mask bearer tokens and `sk-` keys: a last line of defence, not a licence to log secrets."""
-    return _SECRET.sub(lambda m: (m.group(1) or "sk-") + "[redacted]", text)
-
-
-class RequestIdFilter(logging.Filter):
-    """Stamps each record with the current request's id ("-" outside a request)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = request_id_var.get() or "-"
-        return True
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, msg, request_id, and the `extra=` fields that are set."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        body: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": redact(record.getMessage()),
-        }
-        request_id = getattr(record, "request_id", "-")
-        if request_id != "-":
-            body["request_id"] = request_id
-        body.update({k: v for k, v in vars(record).items() if k not in _RECORD_FIELDS and isinstance(v, _PLAIN)})
-        if record.exc_info:
-            body["exc"] = redact(self.formatException(record.exc_info))
-        return json.dumps(body, ensure_ascii=False, default=str)
-
-
-class TextFormatter(logging.Formatter):
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
-
-    def format(self, record: logging.LogRecord) -> str:
-        return redact(super().format(record))
-
-
-def configure_logging(level: str = "info", fmt: str = "json") -> None:
-    """Root logging for the process: one handler on stderr, request ids on every line."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(RequestIdFilter())
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call, URL and all

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.api.app import create_app
-from gateway.observability import JsonFormatter, RequestIdFilter, request_id_var
+from gateway.logs import JsonFormatter, RequestIdFilter, request_id_var
 from gateway.settings import Settings
 from tests.conftest import ADMIN_KEY, DEMO_KEY, gateway_config, live_gateway
 

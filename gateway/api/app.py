@@ -17,6 +17,7 @@ from gateway.api.completions import router as completions_router
 from gateway.api.playground import router as playground_router
 from gateway.api.responses_api import router as responses_router
 from gateway.api.routes import router
+from gateway.logs import request_id_var
 from gateway.responses.request import ResponsesRequest
 from gateway.runtime import Runtime
 from gateway.settings import ServerSettings, Settings
@@ -112,8 +113,8 @@ class RequestIdMiddleware:
                 message["headers"] = list(message["headers"]) + [(b"x-request-id", request_id)]
             await send(message)
 
-        token = observability.request_id_var.set(request_id.decode("latin-1"))
+        token = request_id_var.set(request_id.decode("latin-1"))
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            observability.request_id_var.reset(token)
+            request_id_var.reset(token)
