@@ -26,8 +26,9 @@ from adapters.cache_isolation import CacheSalt, Hidden, Isolation, Shared, Tenan
 from adapters.chat_template import COMMON_CONTROL, neutralize
 from adapters.continuation_modes import Handoff, mode_for
 from adapters.litellm_client import litellm
+from adapters.memory_store import MemoryStore
 from adapters.pricing import Prices
-from adapters.store import MemoryStore, Store
+from adapters.store import Store
 from adapters.upstream_errors import CircuitBreaker, UpstreamRejected, UpstreamUnavailable, is_transient
 from adapters.upstream_settings import UpstreamSettings, api_key_of
 from adapters.upstream_usage import CallUsage, read_usage

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adapters.store import Limits, MemoryStore
+from adapters.memory_store import MemoryStore
+from adapters.store import Limits
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.tenancy.budget import HandoffGate, Ledger
 

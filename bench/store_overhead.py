@@ -18,8 +18,9 @@ import uuid
 
 import redis
 
+from adapters.memory_store import MemoryStore
 from adapters.redis_store import RedisStore
-from adapters.store import Billed, Limits, MemoryStore, RateLimits, new_reservation
+from adapters.store import Billed, Limits, RateLimits, new_reservation
 
 LIMITS = Limits(day_tokens=10**12, month_cost_usd=10**6)
 

@@ -19,7 +19,8 @@ from typing import Any
 from adapters.chat_template import TemplateError
 from adapters.grammar import gbnf_for
 from adapters.local_model import ContextOverflow
-from adapters.store import Limits, MemoryStore
+from adapters.memory_store import MemoryStore
+from adapters.store import Limits
 from eval.analysis import TeacherForcer
 from eval.answers import score
 from eval.configs import ConfigSpec

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 from adapters.litellm_client import litellm
 from adapters.local_model import LocalModel, system_info
+from adapters.memory_store import MemoryStore
 from adapters.model_files import model_sha256, resolve_model
 from adapters.redis_store import RedisStore
 from adapters.steering import Steering, SteeringError, SteeringVector
-from adapters.store import MemoryStore, Store
+from adapters.store import Store
 from adapters.upstream import Continuations, Upstream, prices_of
 from adapters.upstream_server import UpstreamServer
 from adapters.vocabulary import Vocabulary

@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from adapters.store import Limits, MemoryStore
+from adapters.memory_store import MemoryStore
+from adapters.store import Limits
 from eval.afresh import derived, fit
 from eval.configs import parse_config
 from gateway.decoding.cost_ceiling import CostCeiling

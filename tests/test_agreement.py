@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from adapters.store import Limits, MemoryStore
+from adapters.memory_store import MemoryStore
+from adapters.store import Limits
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.settings import RoutingOverride, RoutingSettings
 from gateway.tenancy.budget import HandoffGate, Ledger

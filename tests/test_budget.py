@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from adapters.memory_store import MemoryStore
 from adapters.store import (
     Billed,
     Limits,
-    MemoryStore,
     RateLimits,
     StoreSkipped,
     StoreUnavailable,

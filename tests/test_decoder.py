@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from adapters.memory_store import MemoryStore
 from adapters.pricing import Prices
-from adapters.store import Limits, MemoryStore, StoreUnavailable
+from adapters.store import Limits, StoreUnavailable
 from adapters.upstream import UpstreamRejected
 from gateway.decoding.cost_ceiling import CostCeiling, cost_ratio
 from gateway.decoding.decoder import DecodeRequest, Decoding

@@ -9,7 +9,8 @@ import pytest
 from llama_cpp import Llama
 
 from adapters.local_model import LocalModel
-from adapters.store import Limits, MemoryStore
+from adapters.memory_store import MemoryStore
+from adapters.store import Limits
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.runtime import make_upstream
 from gateway.settings import UpstreamSettings

@@ -123,7 +123,8 @@ async def test_teacher_forced_rows_carry_the_analysis_labels_and_features_and_th
 
 
 async def test_an_mlp_router_reads_the_hidden_state_the_engine_returns_while_decoding(local):
-    from adapters.store import Limits, MemoryStore
+    from adapters.memory_store import MemoryStore
+    from adapters.store import Limits
     from gateway.decoding.decoder import DecodeRequest, Decoding
     from gateway.tenancy.budget import HandoffGate, Ledger
     from policies import build_policy

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from adapters.cache_isolation import TenantSlots
 from adapters.chat_template import ZERO_WIDTH_SPACE, neutralize
-from adapters.store import MemoryStore, StoreUnavailable
+from adapters.memory_store import MemoryStore
+from adapters.store import StoreUnavailable
 from gateway.__main__ import uvicorn_config
 from gateway.admission.passthrough import blocker_of, check_tools, upstream_params
 from gateway.api.app import create_app

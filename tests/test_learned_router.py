@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from adapters.store import Limits, MemoryStore
+from adapters.memory_store import MemoryStore
+from adapters.store import Limits
 from eval.__main__ import main as eval_main
 from eval.analysis import steps
 from eval.learn import compare, matrix, step_signal, train, with_thresholds

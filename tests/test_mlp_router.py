@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapters.store import Limits, MemoryStore
+from adapters.memory_store import MemoryStore
+from adapters.store import Limits
 from eval.analysis import auroc
 from eval.learn_mlp import SCALARS, fit_mlp, forward, projection, reduce, train_mlp
 from gateway.decoding.decoder import DecodeRequest, Decoding

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from adapters.store import MemoryStore, RateLimits
+from adapters.memory_store import MemoryStore
+from adapters.store import RateLimits
 from gateway.admission.passthrough import admit, blocker_of, check_media, check_tools
 from gateway.settings import RateLimitSettings, ServerSettings, TenantSettings
 from gateway.tenancy.budget import Ledger

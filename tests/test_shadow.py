@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from adapters.store import MemoryStore
+from adapters.memory_store import MemoryStore
 from gateway.settings import RoutingOverride, RoutingSettings, Settings, SettingsError, load_settings
 from gateway.shadow.cases import ShadowCase, case_of, cut_at_stop
 from gateway.shadow.config import KnobSettings, OperatorShadowSettings

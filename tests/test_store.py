@@ -13,11 +13,11 @@ import pytest
 import redis
 
 from adapters.cache_isolation import TenantSlots
+from adapters.memory_store import MemoryStore
 from adapters.redis_store import RedisStore
 from adapters.store import (
     Billed,
     Limits,
-    MemoryStore,
     RateLimits,
     Reservation,
     ResponseQuota,

@@ -18,8 +18,9 @@ import openai
 import pytest
 
 from adapters.cache_isolation import TenantSlots
+from adapters.memory_store import MemoryStore
 from adapters.redis_store import RedisStore
-from adapters.store import MemoryStore, long_lease_limits
+from adapters.store import long_lease_limits
 from adapters.upstream_errors import UpstreamBusy
 from tests.conftest import ADMIN_KEY, SMOL, gateway_config, live_gateway
 from tests.fakes import FakeLocalModel, FakeUpstream
