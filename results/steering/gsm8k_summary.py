@@ -1,7 +1,8 @@
-"""Brevity on GSM8K (results/steering/gsm8k_brevity.sh): plain against steered, local only and routed.
+"""GSM8K steering lanes (results/steering/gsm8k_brevity.sh, gsm8k_answer_line.sh): plain against
+steered, local only and routed.
 
-    PYTHONPATH=. .venv/bin/python results/steering/gsm8k_summary.py choose
-    PYTHONPATH=. .venv/bin/python results/steering/gsm8k_summary.py report SCALE
+    PYTHONPATH=. .venv/bin/python results/steering/gsm8k_summary.py choose brevity|line
+    PYTHONPATH=. .venv/bin/python results/steering/gsm8k_summary.py report STEERED_RUN
 
 Per run: accuracy (Wilson 95%), answer tokens a question, the share cut at the 512-token limit, the
 share with the prompt's 'Answer: <number>' last line, and hand-offs a question. `report` adds the
@@ -56,15 +57,18 @@ def paired(plain: dict[str, dict], steered: dict[str, dict], ids: list[str]) -> 
             f"{gained} gained / {lost} lost (McNemar p {mcnemar_p(gained, lost):.2g})")
 
 
-def main(stage: str, scale: str = "") -> None:
+CHOOSE_RUNS = {"brevity": {s: f"gsm8k_choose_s{s}" for s in ("0.1", "0.2", "0.35")},
+               "line": {s: f"gsm8k_choose_line_s{s}" for s in ("0.1", "0.25")}}
+
+
+def main(stage: str, which: str) -> None:
     if stage == "choose":
         runs = {"plain": records("gsm8k_choose_plain", "local")}
-        runs |= {f"scale {s}": records(f"gsm8k_choose_s{s}", "local") for s in ("0.1", "0.2", "0.35")}
+        runs |= {f"scale {s}": records(run, "local") for s, run in CHOOSE_RUNS[which].items()}
         table({name: held for name, held in runs.items() if held})
         return
     for config in ("local", "learned@0.05"):
-        runs = {f"plain {config}": records("gsm8k_report_plain", config),
-                f"scale {scale} {config}": records(f"gsm8k_report_s{scale}", config)}
+        runs = {f"plain {config}": records("gsm8k_report_plain", config), f"{which} {config}": records(which, config)}
         if not all(runs.values()):
             continue
         ids = table(runs)

@@ -1,6 +1,7 @@
 """The contrast pairs of docs/steering.md's measurements, question text only (no gold answer is read).
 
-CommonsenseQA: dev rows 150-299. GSM8K: train rows 0-149 (none of them is a dev or report row).
+CommonsenseQA: dev rows 150-299. GSM8K: train rows 0-149 (brevity) and 150-299 (the answer line);
+none of them is a dev or report row.
 """
 import json
 
@@ -25,6 +26,10 @@ concepts = {
     "gsm8k_brevity": ([r["question"] for r in rows("data/gsm8k_train7473.jsonl", 0, 150)],
                       "Solve it briefly: only the key calculations, in as few words as you can.",
                       "Solve it at length: explain every step in full detail, in several paragraphs."),
+    "gsm8k_answer_line": ([r["question"] for r in rows("data/gsm8k_train7473.jsonl", 150, 300)],
+                          "Solve the problem. Write the final answer on the last line as 'Answer: <number>', "
+                          "in plain text, without LaTeX.",
+                          "Solve the problem. Write the final answer in LaTeX, as \\boxed{<number>}."),
 }
 for name, (questions, positive, negative) in concepts.items():
     with open(f"results/steering/{name}.jsonl", "w") as f:
