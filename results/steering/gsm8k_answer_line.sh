@@ -20,7 +20,8 @@ V="--steer $VEC --steer-layers 10 14"
   --limit 40 --pairs results/steering/gsm8k_answer_line.jsonl results/steering/gsm8k_brevity.jsonl \
   --out results/steering/report-gsm8k-answer-line
 $E --rows 0:50 --run-name gsm8k_choose_plain --configs local
-for s in 0.1 0.25; do
+# 0.15 was added after 0.1 and 0.25 were read on these rows (compliance 18% and 98%), by the same rule
+for s in 0.1 0.25 0.15; do
   $E --rows 0:50 --run-name gsm8k_choose_line_s$s $V --steer-scale $s --configs local
 done
 [ -n "${SCALE:-}" ] || { echo "choose: read the choose runs, then SCALE=<scale> bash $0"; exit 0; }

@@ -58,7 +58,7 @@ def paired(plain: dict[str, dict], steered: dict[str, dict], ids: list[str]) -> 
 
 
 CHOOSE_RUNS = {"brevity": {s: f"gsm8k_choose_s{s}" for s in ("0.1", "0.2", "0.35")},
-               "line": {s: f"gsm8k_choose_line_s{s}" for s in ("0.1", "0.25")}}
+               "line": {s: f"gsm8k_choose_line_s{s}" for s in ("0.1", "0.15", "0.25")}}
 
 
 def main(stage: str, which: str) -> None:
