@@ -99,7 +99,8 @@ def heatmap(readouts: list[Readout], path: str | Path) -> None:
     other = readouts[1] if len(readouts) > 1 else readouts[0]
     rows = accuracies(readouts)
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 10 + 0.3 * len(rows)), height_ratios=[len(rows), 8])
-    image = top.imshow(list(rows.values()), aspect="auto", vmin=0.5, vmax=1.0, cmap="viridis")
+    # 0.5 is chance; a transfer below it ranks the other concept's pairs the wrong way round
+    image = top.imshow(list(rows.values()), aspect="auto", vmin=0.0, vmax=1.0, cmap="RdBu_r")
     top.set_yticks(range(len(rows)), list(rows))
     top.set_xlabel("layer")
     top.set_title("linear probe accuracy: held out within a concept; across concepts (source -> target)")
