@@ -5,8 +5,9 @@ negative ones (where the concept is linearly readable, hence worth steering); wi
 each one's probe scored on the other's pairs (transfer: whether what is read is shared, not the
 words of one set of prompts) and the cosine between their mean-difference directions (concepts
 that share a direction steer together). The picture shows the accuracies as a rows-by-layers
-heatmap and the cosines as a layers-by-layers heatmap (the diagonal is the same-layer cosine; with one concept, its own
-direction against itself: where it stays the same, one vector serves a range of layers).
+heatmap and the cosines as a layers-by-layers heatmap (the diagonal is the same-layer cosine; with
+one concept, its own direction against itself: where it stays the same, one vector serves a range
+of layers).
 """
 
 from __future__ import annotations
