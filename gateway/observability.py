@@ -40,7 +40,7 @@ from gateway.decoding.cost_ceiling import cost_ratio
 from gateway.shadow.metrics import ShadowCollector
 from gateway.wire.errors import GatewayError, Unauthenticated
 
-if TYPE_CHECKING:  # for annotations only: the CLI imports this module for its logging, not the admission code
+if TYPE_CHECKING:  # for annotations only: the metrics need not load the admission and decoding code
     from gateway.admission.chat import Admitted
     from gateway.decoding.decoder import Piece
     from gateway.decoding.passing import Passing
@@ -55,7 +55,6 @@ QUIET_PATHS = ("/metrics", "/health/")  # scraped every few seconds: logged at D
 UNKNOWN = "unknown"
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
 STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
 
 
 class Metrics:
