@@ -60,7 +60,7 @@ def _fit(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from gateway.steering.fit import open_model
-    from gateway.steering.report import readout, table, write
+    from gateway.steering.report import Report, readout, table, write
 
     if len(args.pairs) > 2:
         print("error: --pairs takes one or two concepts", file=sys.stderr)
@@ -68,12 +68,12 @@ def _report(args: argparse.Namespace) -> int:
     try:
         concepts = [(Path(path).stem, read_pairs(path)[:args.limit]) for path in args.pairs]
         with open_model(args.model, args.threads) as model:
-            readouts = [readout(model, pairs, name, args.folds) for name, pairs in concepts]
+            report = Report.of([readout(model, pairs, name, args.folds) for name, pairs in concepts])
     except (PairsError, ModelFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(table(readouts))
-    for path in write(readouts, args.out, {"local_model": args.model, "command": _command()}):
+    print(table(report))
+    for path in write(report, args.out, {"local_model": args.model, "command": _command()}):
         print(f"wrote {path}")
     return 0
 

@@ -53,6 +53,23 @@ def transfers(readouts: list[Readout]) -> dict[str, list[float]]:
     return {f"{a.concept} -> {b.concept}": transfer(a, b), f"{b.concept} -> {a.concept}": transfer(b, a)}
 
 
+@dataclass(frozen=True)
+class Report:
+    """One or two concepts' read-outs, with their transfers computed once."""
+
+    readouts: list[Readout]
+    transfer: dict[str, list[float]]  # per layer, by 'source -> target'; empty with one concept
+
+    @classmethod
+    def of(cls, readouts: list[Readout]) -> Report:
+        return cls(readouts, transfers(readouts))
+
+    @property
+    def accuracies(self) -> dict[str, list[float]]:
+        """Per layer, each concept's held-out probe accuracy, then the transfers."""
+        return {r.concept: r.accuracy for r in self.readouts} | self.transfer
+
+
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """[n_layer, n_layer]: cosine of a's direction at layer i with b's at layer j."""
     a = a / (np.linalg.norm(a, axis=1, keepdims=True) + 1e-12)
@@ -60,27 +77,23 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a @ b.T
 
 
-def summary(readouts: list[Readout]) -> dict:
+def summary(report: Report) -> dict:
     """The read-outs as JSON: per concept its accuracies; of the first two, the transfers and the
     same-layer cosines."""
+    readouts = report.readouts
     out: dict = {"layers": len(readouts[0].accuracy),
                  "probe_accuracy": {r.concept: [round(a, 4) for a in r.accuracy] for r in readouts}}
     if len(readouts) > 1:
-        out["transfer_accuracy"] = {name: [round(a, 4) for a in rows] for name, rows in transfers(readouts).items()}
+        out["transfer_accuracy"] = {name: [round(a, 4) for a in rows] for name, rows in report.transfer.items()}
         out["cosine"] = {"concepts": [readouts[0].concept, readouts[1].concept],
                          "same_layer": [round(float(c), 4) for c in np.diag(cosines(readouts[0].direction,
                                                                                     readouts[1].direction))]}
     return out
 
 
-def accuracies(readouts: list[Readout]) -> dict[str, list[float]]:
-    """Per layer, each concept's held-out probe accuracy, then the transfers (by 'source -> target')."""
-    return {r.concept: r.accuracy for r in readouts} | transfers(readouts)
-
-
-def table(readouts: list[Readout]) -> str:
+def table(report: Report) -> str:
     """A layer-per-line text table of the read-outs: accuracies, transfers, the same-layer cosine."""
-    rows = accuracies(readouts)
+    readouts, rows = report.readouts, report.accuracies
     same = np.diag(cosines(readouts[0].direction, readouts[-1].direction)) if len(readouts) > 1 else None
     head = "layer " + " ".join(f"{name[:24]:>24}" for name in rows) + ("     cosine" if same is not None else "")
     lines = [head]
@@ -90,15 +103,15 @@ def table(readouts: list[Readout]) -> str:
     return "\n".join(lines)
 
 
-def heatmap(readouts: list[Readout], path: str | Path) -> None:
+def heatmap(report: Report, path: str | Path) -> None:
     """Write the picture (PNG) described in the module's docstring."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    readouts, rows = report.readouts, report.accuracies
     other = readouts[1] if len(readouts) > 1 else readouts[0]
-    rows = accuracies(readouts)
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 10 + 0.3 * len(rows)), height_ratios=[len(rows), 8])
     # 0.5 is chance; a transfer below it ranks the other concept's pairs the wrong way round
     image = top.imshow(list(rows.values()), aspect="auto", vmin=0.0, vmax=1.0, cmap="RdBu_r")
@@ -116,10 +129,10 @@ def heatmap(readouts: list[Readout], path: str | Path) -> None:
     plt.close(figure)
 
 
-def write(readouts: list[Readout], out_dir: str | Path, meta: dict) -> list[Path]:
+def write(report: Report, out_dir: str | Path, meta: dict) -> list[Path]:
     """report.json and heatmap.png under `out_dir`; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps({**meta, **summary(readouts)}, indent=1) + "\n")
-    heatmap(readouts, out / "heatmap.png")
+    (out / "report.json").write_text(json.dumps({**meta, **summary(report)}, indent=1) + "\n")
+    heatmap(report, out / "heatmap.png")
     return [out / "report.json", out / "heatmap.png"]
