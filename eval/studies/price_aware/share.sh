@@ -11,7 +11,12 @@ EVAL=".venv/bin/python -m eval"
 CSQA_ROUTER=routers/csqa-divergent-qwen2.5-coder-0.5b.json
 $EVAL run --dataset csqa --rows 0:200 --run-name price_decisive_csqa_frontier-openai --warm --block 10 \
   --router $CSQA_ROUTER --decision-sheet frontier-openai --configs learned@0.03,value=1 &
+choose=$!
 $EVAL run --dataset csqa --data data/commonsenseqa_dev300_rows922-1221.jsonl --rows 0:300 \
   --run-name price_decisive_csqa_report_divergent --warm --block 10 --router $CSQA_ROUTER \
   --decision-sheet frontier-openai --configs learned@0.03,value=1 &
-wait
+report=$!
+status=0  # both lanes are waited for, and either one's failure fails the script (a bare `wait` returns 0)
+wait $choose || status=$?
+wait $report || status=$?
+exit $status
