@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The agreement check on GSM8K beside the fitted check and the draft (docs/studies/agreement.md,
+# "GSM8K"). The reference pair at 512 answer tokens, 4 answers (the greedy one and 3 sampled at 0.7).
+# Nothing is fitted. The rule, set before this script decoded anything (the fitted check's own rule
+# in docs/studies/afresh.md): on dev rows 0-49, among P in {0.3, 0.5, 0.7}, the most accurate P whose
+# cost per correct answer on the frontier-openai sheet is at most 0.8x upstream-only's (ties: the
+# cheaper; none: the cheapest). Reported on dev rows 200-299, where the fitted check (chosen on rows
+# 0-49) and the draft were reported and nothing was chosen: their local and upstream-only records are
+# borrowed from the run that decoded them, so all three stand on the same answers.
+# Two lanes, one per core (appends of whole lines; the last record per id wins). Resumable: rerun it.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+EVAL=".venv/bin/python -m eval"
+AGREE="local,agree=4"
+CHOOSE=agreement_gsm8k_choose
+REPORT=agreement_gsm8k_report
+
+decode() {  # run name, rows
+  $EVAL run --dataset gsm8k --rows "$2" --max-tokens 512 --run-name "$1" --configs $AGREE --block 2
+}
+( decode $CHOOSE 0:50 && decode $REPORT 250:275 ) &
+first=$!
+( decode $REPORT 200:250 && decode $REPORT 275:300 ) &
+second=$!
+status=0  # both lanes are waited for, and either one's failure fails the script
+wait $first || status=$?
+wait $second || status=$?
+[ $status -eq 0 ] || exit $status
+
+SHEETS=(--sheet frontier-openai --sheet deepseek --sheet frontier-anthropic)
+$EVAL borrow --dataset gsm8k --run-name $CHOOSE --from-run learned_gsm8k --configs local upstream
+$EVAL afresh --dataset gsm8k --run-name $CHOOSE --base $AGREE --check agreement --below 0.3 0.5 0.7
+$EVAL report --dataset gsm8k --run-name $CHOOSE --rows 0:50 --paired
+$EVAL costs --dataset gsm8k --run-name $CHOOSE --rows 0:50 "${SHEETS[@]}"
+
+$EVAL borrow --dataset gsm8k --run-name $REPORT --from-run price_mixed_gsm8k_draft \
+  --configs local upstream "learned@0.05,from=traffic,value=1,escalation=draft"
+$EVAL borrow --dataset gsm8k --run-name $REPORT --from-run afresh_gsm8k_untouched --configs "local,afresh=0.18234"
+$EVAL afresh --dataset gsm8k --run-name $REPORT --base $AGREE --check agreement --below 0.3 0.5 0.7
+$EVAL report --dataset gsm8k --run-name $REPORT --rows 200:300 --paired
+$EVAL costs --dataset gsm8k --run-name $REPORT --rows 200:300 "${SHEETS[@]}"
