@@ -161,8 +161,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--configs", nargs="*", default=[], help="only these configs (default all)")
     report.add_argument("--all-items", action="store_true", help="do not restrict configs to their common items")
     report.add_argument("--match-policy", default="entropy", help="query-level points match this policy's shares")
-    report.add_argument("--paired", action="store_true",
-                        help="also a table of each config against local only on the same questions")
+    report.add_argument("--paired", nargs="?", const="local", metavar="BASE",
+                        help="also a table of each config against BASE (default local) on the same questions")
     report.add_argument("--plot", type=Path, help="write the plot here (PNG)")
     report.add_argument("--costs", action="store_true",
                         help="also cost per correct answer under three price sheets (eval/costs.py)")
@@ -679,7 +679,7 @@ def _report(args: argparse.Namespace) -> int:
     rows, points = build_rows(configs, args.match_policy)
     print(markdown_table(rows), end="")
     if args.paired:
-        print("\n" + paired_table(configs), end="")
+        print("\n" + paired_table(configs, base=args.paired), end="")
     n = max(r.summary["n"] for r in rows)
     title = args.title or f"{args.dataset}: {n} questions ({args.run_name})"
     if args.plot:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from adapters.local_model import LocalModel
+from eval.__main__ import _parser
 from eval.analysis import TeacherForcer, auroc, steps, summarize_analysis
 from eval.answers import extract_choice, extract_number, score
 from eval.calibrate import calibrate, evaluate_threshold, threshold_for_share
@@ -141,6 +142,16 @@ def test_paired_table_counts_against_local_and_upstream():
     assert cells["upstream"][:3] + cells["upstream"][5:] == ["3", "1", "0", "3", "0 |"]
     assert cells["upstream"][3].startswith("+33.3% [")
     assert paired_table({"local": configs["local"]}) == ""
+    against_router = paired_table(configs, base="top1@0.5").splitlines()
+    assert "right where top1@0.5 is wrong" in against_router[0]
+    assert against_router[2].split(" | ")[1:3] == ["3", "1"]  # local: right on b, where the router is wrong
+
+
+def test_report_pairs_against_local_unless_told():
+    args = ["report", "--dataset", "gsm8k", "--run-name", "r"]
+    assert _parser().parse_args(args).paired is None
+    assert _parser().parse_args([*args, "--paired"]).paired == "local"
+    assert _parser().parse_args([*args, "--paired", "local,agree=4"]).paired == "local,agree=4"
 
 
 @pytest.fixture
