@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The agreement check on code (docs/studies/agreement.md, "HumanEval") beside the check for code and
+# the draft. The reference pair at 384 answer tokens, 4 answers (the greedy one and 3 sampled at 0.7);
+# two programs agree when they are the same code up to comments, blank lines and trailing spaces.
+# Nothing is fitted. The rule, set before this script decoded anything (HumanEval's target: within
+# 2 points of upstream-only at at most 0.6x): on MBPP rows 264-306 (where the check for code chose
+# too), among P in {0.3, 0.5, 0.7}, the most accurate P whose cost per correct answer on the
+# frontier-openai sheet is at most 0.6x upstream-only's (ties: the cheaper; none: the cheapest).
+# Reported on HumanEval's odd rows 1-163 (82 problems; the machine's time would not cover all 164),
+# where the check for code and the draft are read from their landed records of all 164.
+# Two lanes, one per core (appends of whole lines; the last record per id wins). Resumable: rerun it.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+EVAL=".venv/bin/python -m eval"
+AGREE="local,agree=4"
+CHOOSE=agreement_mbpp_choose
+REPORT=agreement_humaneval_report
+
+( $EVAL run --dataset mbpp --rows 264:307 --run-name $CHOOSE --configs $AGREE --block 2 \
+  && $EVAL run --dataset humaneval --rows 121:164:2 --run-name $REPORT --configs $AGREE --block 2 ) &
+first=$!
+$EVAL run --dataset humaneval --rows 1:121:2 --run-name $REPORT --configs $AGREE --block 2 &
+second=$!
+status=0  # both lanes are waited for, and either one's failure fails the script
+wait $first || status=$?
+wait $second || status=$?
+[ $status -eq 0 ] || exit $status
+
+SHEETS=(--sheet frontier-openai --sheet deepseek --sheet frontier-anthropic)
+$EVAL borrow --dataset mbpp --run-name $CHOOSE --from-run mixed_mbpp --configs local upstream
+$EVAL afresh --dataset mbpp --run-name $CHOOSE --base $AGREE --check agreement --below 0.3 0.5 0.7
+$EVAL report --dataset mbpp --run-name $CHOOSE --rows 264:307 --paired $AGREE
+$EVAL costs --dataset mbpp --run-name $CHOOSE --rows 264:307 "${SHEETS[@]}"
+
+$EVAL borrow --dataset humaneval --run-name $REPORT --from-run price_humaneval_draft \
+  --configs local upstream "learned@0.05,from=traffic,value=1,escalation=draft"
+$EVAL borrow --dataset humaneval --run-name $REPORT --from-run code_check_humaneval --configs "local,afresh=0.26086"
+$EVAL afresh --dataset humaneval --run-name $REPORT --base $AGREE --check agreement --below 0.3 0.5 0.7
+$EVAL report --dataset humaneval --run-name $REPORT --rows 1:164:2 --paired
+$EVAL report --dataset humaneval --run-name $REPORT --rows 1:164:2 --paired $AGREE
+$EVAL costs --dataset humaneval --run-name $REPORT --rows 1:164:2 "${SHEETS[@]}"
