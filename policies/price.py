@@ -55,7 +55,9 @@ class PriceAware(Wrapping):
             return Decision(Route.LOCAL, vetoed="price")
         if self.escalate and self.hand_over_rest(state):
             return Decision(Route.UPSTREAM, escalate=True, need=need)
-        return dataclasses.replace(wanted, decisive=decisive) if decisive else wanted
+        if decisive:
+            return dataclasses.replace(wanted, decisive=True)
+        return wanted
 
     def decisive(self, state: RoutingState) -> bool:
         """A hand-off in a short answer, costing at most what the answer is worth."""

@@ -111,6 +111,11 @@ class Decoding(Escalation, Guessing, Appending):
     def source_counts(self) -> dict[str, int]:
         return {name: self.sources.count(name) for name in (LOCAL, UPSTREAM, CACHE)}
 
+    @property
+    def ended_on_end_token(self) -> bool:
+        """Whether the answer ended on the model's end-of-generation token (a direct call bills it)."""
+        return self._end_token
+
     async def pieces(self) -> AsyncIterator[Piece]:
         """The answer, piece by piece; the last piece releases any text still held back.
 

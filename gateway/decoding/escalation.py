@@ -98,7 +98,7 @@ class Escalation:
         self.usage.majority = True
         self.answer_tokens, self.sources = list(sample.answer_tokens), [LOCAL] * len(sample.answer_tokens)
         self.answer_bytes = bytearray(sample.answer_bytes)
-        self.finish_reason, self._end_token = sample.finish_reason, sample._end_token
+        self.finish_reason, self._end_token = sample.finish_reason, sample.ended_on_end_token
         self.text = TextReleaser(self.request.stop)
         return Piece(self.text.feed(bytes(self.answer_bytes)), tuple(self.answer_tokens), LOCAL, None)
 
