@@ -607,6 +607,9 @@ def _afresh_by_agreement(args: argparse.Namespace, source: Path, base: list, ups
     base = [r for r in base if r.get("agreement") is not None]
     if not base:
         raise ValueError(f"{args.base} records of {source.name} hold no agreement: run a local,agree=K config")
+    for level in sorted({r["agreement"] for r in base}):  # how well the agreement ranks the answers
+        at = [r for r in base if r["agreement"] == level]
+        print(f"agreement {level:g}: {sum(r['correct'] for r in at)} of {len(at)} answers correct")
     run_dir = args.runs_dir / args.run_name
     if run_dir.resolve() != source.resolve():
         for name, found in ((args.base, base), ("upstream", upstream)):

@@ -234,6 +234,23 @@ def test_derived_records_of_the_agreement_check_read_each_answers_own_agreement(
     assert [r["answer_confidence"] for r in out] == [0.0, 0.3333, 0.6667, 1.0]
 
 
+def test_eval_afresh_by_agreement_writes_each_threshold_and_says_how_agreement_ranks(tmp_path, capsys):
+    from eval.__main__ import main
+    from eval.records import read_records, records_path, write_records
+
+    agreements = (0.0, 0.0, 0.3333, 1.0)
+    local = [{**r, "agreement": a, "correct": a == 1.0} for r, a in zip(records(4), agreements)]
+    write_records(records_path(tmp_path / "run", "gsm8k", "local,agree=4"), local)
+    write_records(records_path(tmp_path / "run", "gsm8k", "upstream"), [{**r, "correct": True} for r in local])
+    assert main(["afresh", "--dataset", "gsm8k", "--run-name", "run", "--runs-dir", str(tmp_path),
+                 "--base", "local,agree=4", "--check", "agreement", "--below", "0.5"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:3] == ["agreement 0: 0 of 2 answers correct", "agreement 0.3333: 0 of 1 answers correct",
+                           "agreement 1: 1 of 1 answers correct"]
+    written = read_records(records_path(tmp_path / "run", "gsm8k", "local,agree=4,afresh=0.5"))
+    assert [r["afresh"] for r in written] == [True, True, True, False] and all(r["correct"] for r in written)
+
+
 # -- against a live gateway whose upstream is a real llama-server (tokens mode) --
 
 @pytest.fixture(scope="module")
