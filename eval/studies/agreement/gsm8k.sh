@@ -28,7 +28,7 @@ wait $first || status=$?
 wait $second || status=$?
 [ $status -eq 0 ] || exit $status
 
-SHEETS=(--sheet frontier-openai --sheet deepseek --sheet frontier-anthropic)
+SHEETS=(--sheet frontier-openai --sheet deepseek --sheet frontier-anthropic --sheet self-hosted)
 $EVAL borrow --dataset gsm8k --run-name $CHOOSE --from-run learned_gsm8k --configs local upstream
 $EVAL afresh --dataset gsm8k --run-name $CHOOSE --base $AGREE --check agreement --below 0.3 0.5 0.7
 $EVAL report --dataset gsm8k --run-name $CHOOSE --rows 0:50 --paired

@@ -29,7 +29,7 @@ wait $first || status=$?
 wait $second || status=$?
 [ $status -eq 0 ] || exit $status
 
-SHEETS=(--sheet frontier-openai --sheet deepseek --sheet frontier-anthropic)
+SHEETS=(--sheet frontier-openai --sheet deepseek --sheet frontier-anthropic --sheet self-hosted)
 $EVAL borrow --dataset ifeval --run-name $CHOOSE --from-run price_mixed_ifeval_draft --configs local upstream
 $EVAL afresh --dataset ifeval --run-name $CHOOSE --base $AGREE --check agreement --below 0.3 0.5 0.7
 $EVAL report --dataset ifeval --run-name $CHOOSE --rows 150:170 --paired $AGREE
