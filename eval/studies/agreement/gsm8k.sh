@@ -11,6 +11,7 @@
 # Two lanes, one per core (appends of whole lines; the last record per id wins). Resumable: rerun it.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
+source eval/studies/lanes.sh
 EVAL=".venv/bin/python -m eval"
 AGREE="local,agree=4"
 CHOOSE=agreement_gsm8k_choose
@@ -23,10 +24,7 @@ decode() {  # run name, rows
 first=$!
 ( decode $REPORT 200:250 && decode $REPORT 275:300 ) &
 second=$!
-status=0  # both lanes are waited for, and either one's failure fails the script
-wait $first || status=$?
-wait $second || status=$?
-[ $status -eq 0 ] || exit $status
+wait_lanes $first $second
 
 SHEETS=(--sheet frontier-openai --sheet deepseek --sheet frontier-anthropic --sheet self-hosted)
 $EVAL borrow --dataset gsm8k --run-name $CHOOSE --from-run learned_gsm8k --configs local upstream

@@ -11,6 +11,7 @@
 # Two lanes, one per core (appends of whole lines; the last record per id wins). Resumable: rerun it.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
+source eval/studies/lanes.sh
 EVAL=".venv/bin/python -m eval"
 AGREE="local,agree=4"
 CHOOSE=agreement_mbpp_choose
@@ -21,12 +22,9 @@ REPORT=agreement_humaneval_report
 first=$!
 $EVAL run --dataset humaneval --rows 1:121:2 --run-name $REPORT --configs $AGREE --block 2 &
 second=$!
-status=0  # both lanes are waited for, and either one's failure fails the script
-wait $first || status=$?
-wait $second || status=$?
-[ $status -eq 0 ] || exit $status
+wait_lanes $first $second
 
-SHEETS=(--sheet frontier-openai --sheet deepseek --sheet frontier-anthropic)
+SHEETS=(--sheet frontier-openai --sheet deepseek --sheet frontier-anthropic --sheet self-hosted)
 $EVAL borrow --dataset mbpp --run-name $CHOOSE --from-run mixed_mbpp --configs local upstream
 $EVAL afresh --dataset mbpp --run-name $CHOOSE --base $AGREE --check agreement --below 0.3 0.5 0.7
 $EVAL report --dataset mbpp --run-name $CHOOSE --rows 264:307 --paired $AGREE

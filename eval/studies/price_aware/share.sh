@@ -7,6 +7,7 @@
 # docs/studies/price_aware.md). Resumable: rerun it.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
+source eval/studies/lanes.sh
 EVAL=".venv/bin/python -m eval"
 CSQA_ROUTER=routers/csqa-divergent-qwen2.5-coder-0.5b.json
 $EVAL run --dataset csqa --rows 0:200 --run-name price_decisive_csqa_frontier-openai --warm --block 10 \
@@ -16,7 +17,4 @@ $EVAL run --dataset csqa --data data/commonsenseqa_dev300_rows922-1221.jsonl --r
   --run-name price_decisive_csqa_report_divergent --warm --block 10 --router $CSQA_ROUTER \
   --decision-sheet frontier-openai --configs learned@0.03,value=1 &
 report=$!
-status=0  # both lanes are waited for, and either one's failure fails the script (a bare `wait` returns 0)
-wait $choose || status=$?
-wait $report || status=$?
-exit $status
+wait_lanes $choose $report
