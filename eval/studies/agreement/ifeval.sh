@@ -6,9 +6,9 @@
 # significant gain over local at at most 1.0x): on dev rows 150-169 (never fitted on: the fitted
 # check saw rows 59-149), among P in {0.3, 0.5, 0.7}, the most accurate P whose cost per correct
 # answer on the frontier-openai sheet is at most 1.0x upstream-only's (ties: the cheaper; none: the
-# cheapest). Reported on dev rows 0-39 (of the rows 0-58 where the fitted check was reported at its
-# shares and nothing was chosen; the machine's time would not cover all 59); local and upstream-only
-# records are borrowed from the run that decoded them.
+# cheapest); it chose 0.7. Reported on dev rows 0-39 (of the rows 0-58 where the fitted check was
+# reported at its shares and nothing was chosen; the machine's time would not cover all 59); local
+# and upstream-only records are borrowed from the run that decoded them.
 # Two lanes, one per core (appends of whole lines; the last record per id wins). Resumable: rerun it.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
