@@ -72,5 +72,6 @@ def main(stage: str, which: str) -> None:
     for what in ("accuracy", "answer line"):
         print(paired(*runs.values(), ids, what))
 
+
 if __name__ == "__main__":
     main(*sys.argv[1:])

