@@ -8,6 +8,11 @@ its common prefix (removing only that sequence's KV entries), and evaluates them
 a long prompt never stalls the others. A sequence waiting for its upstream submits nothing (it
 leaves the batch, saying so with `pause()`) and its KV entries stay where they are.
 
+Sequences are shared fairly between requests (adapters/slot_queue.py): a request's extra sequences
+(its other choices, an agreement check's samples) never take the last free slot, and while several
+requests have a sequence ready each step decodes one of each request's, so a request of sixteen
+answers slows the others no more than a request of one.
+
 Finished sequences keep their tokens: a new request takes the free slot that shares the longest
 prefix with its prompt, and a longer prefix held by any other sequence (a common system prompt)
 is copied with `llama_memory_seq_cp`, which shares the KV cells instead of recomputing them.
@@ -49,6 +54,7 @@ import numpy as np
 from llama_cpp import Llama
 from llama_cpp import _internals as internals
 
+from adapters.slot_queue import Claim, SlotQueue
 from adapters.steering import Steering
 
 GATHER_S = 0.02  # how long a step waits for sequences that just got logits to come back
@@ -57,10 +63,6 @@ IDLE_KEPT = 1  # finished sequences whose tokens stay for reuse: every cell wide
 THREADPOOL_POLL = 0  # ggml's polling level between graphs: spinning threads would starve the event loop
 # on: llama.cpp's auto, as its own tools run (on for CPUs; off where a device cannot run it)
 FLASH_ATTN = {True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
-
-
-class QueueFull(Exception):
-    """Too many requests are already waiting for a sequence of the local model."""
 
 
 class ContextOverflow(Exception):
@@ -88,6 +90,7 @@ class Slot:
     freed_at: float = 0.0
     held_scope: str = ""  # the cache scope whose tokens `held` are (engine thread)
     guess: "_Job | None" = None  # a speculative job evaluated and not yet confirmed (engine thread)
+    claim: Claim = field(default_factory=Claim)  # whose request holds it (or last held it)
 
 
 @dataclass(eq=False)
@@ -131,9 +134,7 @@ class Engine:
         self.hidden_available = llama_cpp.llama_pooling_type(self._ctx) == llama_cpp.LLAMA_POOLING_TYPE_NONE
         self._n_batch = n_batch
         self._slots = [Slot(index) for index in range(parallel)]
-        self._queue_limit = queue_limit
-        self._waiting = 0
-        self._freed = asyncio.Condition()
+        self._queue = SlotQueue(parallel, queue_limit)  # who gets a free slot (adapters/slot_queue.py)
         self._cond = threading.Condition()
         self._pending: list[_Job] = []  # submitted, not yet taken by the loop
         self._expected: set[int] = set()  # slots that got logits and have not come back or paused
@@ -152,40 +153,36 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        """Requests holding or waiting for a sequence."""
-        return self._waiting + sum(slot.owner is not None for slot in self._slots)
+        """Sequences held or waited for."""
+        return self._queue.waiting + self._queue.held
 
     def check_admission(self) -> None:
         """Raise QueueFull when a new request would wait behind too many others."""
-        if self._waiting >= self._queue_limit and all(slot.owner is not None for slot in self._slots):
-            raise QueueFull(f"{self._waiting} requests are waiting for the local model")
+        self._queue.check_admission()
 
     @contextlib.asynccontextmanager
     async def sequence(self, prompt: list[int], scope: str = "", hidden: bool = False,
-                       speculate: bool = False) -> AsyncIterator["Sequence"]:
+                       speculate: bool = False, claim: Claim | None = None) -> AsyncIterator["Sequence"]:
         """A sequence of its own for one request in cache `scope`, until the block exits; with
         `hidden`, each forward also sets `Sequence.hidden`; with `speculate`, the engine evaluates
-        each greedy next token before it is asked for (see the module's docstring)."""
+        each greedy next token before it is asked for (see the module's docstring). Sequences of
+        one `claim` (a tenant's request) share the engine fairly with others (adapters/slot_queue.py)."""
         if not prompt:  # nothing to decode from: its first step would never produce logits
             raise ValueError("a sequence needs at least one prompt token")
         if hidden and not self.hidden_available:
             raise ValueError("this model pools its embeddings: it has no per-token hidden state to return")
-        self._waiting += 1
-        try:
-            async with self._freed:
-                await self._freed.wait_for(lambda: any(slot.owner is None for slot in self._slots))
-                slot = max((s for s in self._slots if s.owner is None), key=lambda s: self._fit(s, prompt, scope))
-                sequence = Sequence(self, slot, scope, hidden, speculate)
-                slot.owner, slot.prompt = sequence, len(prompt)
-        finally:
-            self._waiting -= 1
+        claim = claim or Claim()
+        index = await self._queue.take(claim, lambda free: max(
+            free, key=lambda i: self._fit(self._slots[i], prompt, scope)))
+        slot = self._slots[index]
+        sequence = Sequence(self, slot, scope, hidden, speculate)
+        slot.owner, slot.prompt, slot.claim = sequence, len(prompt), claim
         try:
             yield sequence
         finally:
             slot.owner, slot.freed_at = None, time.monotonic()
             self._leave(slot, freed=True)
-            async with self._freed:
-                self._freed.notify()
+            self._queue.give_back(index)
 
     @staticmethod
     def _fit(slot: Slot, prompt: list[int], scope: str) -> int:
@@ -246,10 +243,10 @@ class Engine:
             for job in active:
                 if job.todo is None and not self._prefix_coming(job, active):
                     self._rewind(job)
-            ready = [job for job in active if job.todo is not None]
+            ready = self._turn([job for job in active if job.todo is not None])
             if ready:
                 try:
-                    active = self._step(ready) + [job for job in active if job.todo is None]
+                    active = self._step(ready) + [job for job in active if job not in ready]
                 except Exception as exc:  # noqa: BLE001 - the loop must outlive one bad step
                     for job in active:
                         llama_cpp.llama_memory_seq_rm(self._memory, job.slot.id, -1, -1)  # state unknown
@@ -259,6 +256,17 @@ class Engine:
                     active = []
         for job in active + self._pending:
             job.future.cancel()
+
+    def _turn(self, ready: list[_Job]) -> list[_Job]:
+        """The jobs this step decodes: all that are ready, except that while several requests have
+        one ready, each request decodes one of its sequences per step (in turn), so a request of
+        many answers slows the others no more than a request of one would (adapters/slot_queue.py)."""
+        by_request: dict[str, list[_Job]] = {}
+        for job in ready:
+            by_request.setdefault(job.slot.claim.request, []).append(job)
+        if len(by_request) < 2:
+            return ready
+        return [jobs[self.steps % len(jobs)] for jobs in by_request.values()]
 
     def _admit(self, job: _Job, active: list[_Job]) -> None:
         """Take a submitted job into `active`, unless a guess of its sequence answers it: a guess

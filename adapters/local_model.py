@@ -19,12 +19,13 @@ import llama_cpp
 from llama_cpp import Llama
 
 from adapters.chat_template import ChatTemplate
-from adapters.engine import ContextOverflow, Engine, QueueFull, Sequence
+from adapters.engine import ContextOverflow, Engine, Sequence
 from adapters.grammar import Grammar
+from adapters.slot_queue import Claim, QueueFull
 from adapters.steering import Steering, SteeringError
 from adapters.vocabulary import tokenize_parts
 
-__all__ = ["ContextOverflow", "LocalModel", "LocalModelError", "QueueFull", "system_info"]
+__all__ = ["Claim", "ContextOverflow", "LocalModel", "LocalModelError", "QueueFull", "system_info"]
 GRAMMARS_KEPT = 8  # parsed grammars kept for cloning (each holds a vocabulary-sized array)
 
 
@@ -95,12 +96,12 @@ class LocalModel:
         """Raise QueueFull when a new request would wait behind too many others."""
         self.engine.check_admission()
 
-    def sequence(self, prompt: list[int], scope: str = "", hidden: bool = False,
-                 speculate: bool = False) -> contextlib.AbstractAsyncContextManager[Sequence]:
+    def sequence(self, prompt: list[int], scope: str = "", hidden: bool = False, speculate: bool = False,
+                 claim: Claim | None = None) -> contextlib.AbstractAsyncContextManager[Sequence]:
         """A sequence of the engine for one request in cache `scope`, with the last hidden state
-        at each step if `hidden`, evaluating greedy next tokens ahead if `speculate` (see
-        Engine.sequence)."""
-        return self.engine.sequence(prompt, scope, hidden, speculate)
+        at each step if `hidden`, evaluating greedy next tokens ahead if `speculate`, shared fairly
+        with other claims (see Engine.sequence)."""
+        return self.engine.sequence(prompt, scope, hidden, speculate, claim)
 
     # -- tokens and text (read-only on the vocabulary: safe outside the engine) --
 

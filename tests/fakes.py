@@ -75,7 +75,8 @@ class FakeLocalModel:
     hidden: np.ndarray | None = None  # with a `hidden` sequence: the latest forward's logits stand in for it
 
     @contextlib.asynccontextmanager
-    async def sequence(self, prompt: list[int], scope: str = "", hidden: bool = False, speculate: bool = False):
+    async def sequence(self, prompt: list[int], scope: str = "", hidden: bool = False, speculate: bool = False,
+                       claim=None):
         self.wants_hidden = hidden
         yield self
 

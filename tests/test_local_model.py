@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from adapters.engine import common_prefix
-from adapters.local_model import ContextOverflow, QueueFull
+from adapters.local_model import Claim, ContextOverflow, QueueFull
 from bench.support import greedy, load, prompt
 
 pytestmark = pytest.mark.integration
@@ -205,6 +205,30 @@ async def test_a_full_queue_refuses_and_a_long_prompt_is_refused(smol_path):
                 await sequence.forward([1] * 1025)
     finally:
         local.close()
+
+
+async def test_a_request_of_many_sequences_decodes_one_per_step_beside_another_request(local):
+    """Its three sequences share one place in each step while another request decodes, and take the
+    whole batch again once they are alone."""
+    tokens = prompt(local, SYSTEM_A, "Tell me a story.")
+    progress = {"many": 0, "one": 0}
+
+    async def decode(claim: Claim, name: str, steps: int) -> None:
+        async with local.sequence(tokens, claim=claim) as sequence:
+            out: list[int] = []
+            for _ in range(steps):
+                out.append(int(np.argmax(await sequence.forward(tokens + out))))
+                progress[name] += 1
+
+    many = Claim("a", "many")
+    heavy = [asyncio.create_task(decode(many, "many", 40)) for _ in range(3)]
+    while progress["many"] < 6:  # alone, all three decode every step
+        await asyncio.sleep(0.01)
+    before = progress["many"]
+    await decode(Claim("b", "one"), "one", 12)
+    assert progress["many"] - before <= 12 + 3  # one of its sequences per step (and the step under way)
+    await asyncio.gather(*heavy)
+    assert progress["many"] == 120
 
 
 async def test_message_content_never_becomes_a_control_token(local):

@@ -13,7 +13,7 @@ from typing import Any
 
 from adapters.chat_template import TemplateError
 from adapters.grammar import GrammarUnsupported, gbnf_for
-from adapters.local_model import QueueFull
+from adapters.local_model import Claim, QueueFull
 from gateway.admission import passthrough
 from gateway.admission.limits import admit_rates, admit_tokens, release
 from gateway.decoding.cost_ceiling import CostCeiling
@@ -33,6 +33,9 @@ from policies.agreement import AgreementCheck
 from policies.answer_check import AnswerCheck
 
 log = logging.getLogger("gateway.admission.chat")
+# Most answers one request decodes at once (choices x agreement samples): more would only queue
+# behind each other (the engine hands a request's extra sequences out last: adapters/slot_queue.py).
+SEQUENCES_PER_REQUEST = 16
 
 
 @dataclass
@@ -127,6 +130,7 @@ async def start(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
                              f"{alias.local.n_vocab}", param="logit_bias")
     max_tokens = body.requested_max_tokens or runtime.settings.server.default_max_tokens
     routing = resolve_routing(runtime.routing_of(alias), tenant.settings.routing, body.routing, priced=alias.priced)
+    answers = _answers_per_choice(routing, len(prompts.texts) * body.n)
     try:
         alias.local.check_admission()
     except QueueFull as exc:
@@ -137,17 +141,31 @@ async def start(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
     kind = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
     request_id = f"{kind}-{uuid.uuid4().hex}"
     await admit_rates(runtime, tenant, gate, request_id)
+    claim = Claim(tenant.id, request_id)
     try:
         decodings = await asyncio.to_thread(
-            lambda: [_decoding(alias, gate, body, prompts, text, routing, max_tokens, grammar, choice, ceiling)
+            lambda: [_decoding(alias, gate, body, prompts, text, routing, max_tokens, grammar, choice, ceiling, claim)
                      for text, ceiling in _ceilings(alias, routing, prompts) for choice in range(body.n)])
     except BaseException:
         await asyncio.shield(release(runtime, tenant, request_id))
         raise
     prompt_tokens = sum(len(d.prompt_tokens) for d in decodings[::body.n])
-    await admit_tokens(runtime, tenant, request_id, prompt_tokens + sum(d.limit for d in decodings))
+    # every answer the request decodes counts, an agreement check's samples too
+    await admit_tokens(runtime, tenant, request_id, prompt_tokens + answers * sum(d.limit for d in decodings))
     return Admitted(request_id, int(time.time()), alias, tenant, body, decodings,
                     give_back_slot=lambda: release(runtime, tenant, request_id))
+
+
+def _answers_per_choice(routing: RoutingSettings, choices: int) -> int:
+    """Answers each choice decodes (its agreement samples included); 400 for a request that would
+    hold more than SEQUENCES_PER_REQUEST sequences of the local model."""
+    check = routing.answer_check
+    answers = check.samples if isinstance(check, AgreementSettings) else 1
+    if choices * answers > SEQUENCES_PER_REQUEST:
+        param = "routing.answer_check.samples" if answers > 1 else "n"
+        raise InvalidRequest(f"this request would decode {choices * answers} answers at once (choices x agreement "
+                             f"samples); at most {SEQUENCES_PER_REQUEST} are allowed", param=param)
+    return answers
 
 
 def _ceilings(alias: Alias, routing: RoutingSettings, prompts: Prompts) -> list[tuple[str | None, CostCeiling | None]]:
@@ -158,7 +176,7 @@ def _ceilings(alias: Alias, routing: RoutingSettings, prompts: Prompts) -> list[
 
 def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | CompletionRequest, prompts: Prompts,
               text: str | None, routing: RoutingSettings, max_tokens: int, grammar: str | None,
-              choice: int, ceiling: CostCeiling | None) -> Decoding:
+              choice: int, ceiling: CostCeiling | None, claim: Claim) -> Decoding:
     """The decoding of one choice; choices differ by seed (seed + choice) when they sample."""
     policy = policy_of(routing, alias.router, alias.windows(gate.tenant))
     chat = isinstance(body, ChatCompletionRequest)
@@ -172,7 +190,7 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | Com
         rules=LogitRules.of(body.presence_penalty, body.frequency_penalty, body.logit_bias), grammar=grammar,
         ceiling=ceiling, on_ceiling=routing.on_ceiling, escalation=routing.escalation, choice=choice,
         answer_check=_answer_check(alias, routing), escalate_below=routing.escalate_below or None, held=not body.stream,
-        answer_lengths=alias.windows(gate.tenant).answer_lengths,
+        answer_lengths=alias.windows(gate.tenant).answer_lengths, claim=claim,
     )
     try:
         decoding = Decoding(alias.local, alias.continuations, gate, request)

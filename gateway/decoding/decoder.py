@@ -139,7 +139,8 @@ class Decoding(Escalation, Guessing, Appending):
             while True:
                 async with self.local.sequence(self.prompt_tokens, self.gate.cache_scope,
                                                hidden=self.request.policy.reads_hidden,
-                                               speculate=self.request.sampling.greedy) as sequence:
+                                               speculate=self.request.sampling.greedy,
+                                               claim=self.request.claim) as sequence:
                     while True:
                         while self.finish_reason is None and not self._rating_due():
                             answered_afresh = self.usage.afresh

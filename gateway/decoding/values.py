@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from adapters.slot_queue import Claim
 from adapters.upstream import Continuation
 from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.logit_rules import LogitRules
@@ -80,6 +81,7 @@ class DecodeRequest:
     # the lengths of recent answers like this one (the tenant's on the alias): this answer's length
     # joins them, and a priced decision expects as much still to come as those longer than it wrote
     answer_lengths: RecentValues | None = None
+    claim: Claim | None = None  # whose request it is, for the engine's fair share (shared by its choices and samples)
 
 
 @dataclass(frozen=True)
