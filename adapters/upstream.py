@@ -29,7 +29,14 @@ from adapters.litellm_client import litellm
 from adapters.memory_store import MemoryStore
 from adapters.pricing import Prices
 from adapters.store import Store
-from adapters.upstream_errors import CircuitBreaker, UpstreamRejected, UpstreamUnavailable, is_transient
+from adapters.upstream_errors import (
+    CircuitBreaker,
+    Failure,
+    UpstreamFailedRequest,
+    UpstreamRejected,
+    UpstreamUnavailable,
+    failure_of,
+)
 from adapters.upstream_settings import UpstreamSettings, api_key_of
 from adapters.upstream_usage import CallUsage, read_usage
 from adapters.vocabulary import Vocabulary
@@ -183,10 +190,14 @@ class Upstream:
         sampling parameters, such as penalties).
 
         Transient failures are retried up to `retries` times and count against the circuit
-        breaker; raises UpstreamUnavailable when they persist or the breaker is open, and
-        UpstreamRejected (no retry, breaker untouched) when the upstream refuses the request.
+        breaker, except 5xx answers to a call carrying the client's own `seed` or `extra`
+        (adapters.upstream_errors.failure_of); raises UpstreamUnavailable when failures persist
+        or the breaker is open (UpstreamFailedRequest when the last was such a 5xx), and
+        UpstreamRejected (no retry) when the upstream refuses the request.
         """
         last: Exception | None = None
+        failure: Failure = "outage"
+        client_values = seed is not None or bool(extra)
         for _ in range(self.settings.retries + 1):
             trial = self._breaker.acquire(time.monotonic())
             if trial is None:
@@ -195,9 +206,9 @@ class Upstream:
             try:
                 response = await self._call(handoff, max_tokens, temperature, top_p, seed, extra or {})
             except (openai.OpenAIError, httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
-                transient = is_transient(exc)
-                self._breaker.record(not transient, time.monotonic(), trial)
-                if not transient:
+                failure = failure_of(exc, client_values)
+                self._breaker.record_failure(failure, time.monotonic(), trial)
+                if failure == "refused":
                     raise UpstreamRejected(f"upstream '{self.name}' refused the hand-off: {exc}") from exc
                 last = exc
                 continue
@@ -206,7 +217,8 @@ class Upstream:
                 raise
             self._breaker.record(True, time.monotonic(), trial)
             return self._continuation(handoff, response, time.monotonic() - started)
-        raise UpstreamUnavailable(f"upstream '{self.name}' failed: {type(last).__name__}: {last}") from last
+        failed = UpstreamFailedRequest if failure == "request" else UpstreamUnavailable
+        raise failed(f"upstream '{self.name}' failed: {type(last).__name__}: {last}") from last
 
     async def _call(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
                     seed: int | None, extra: dict[str, Any]) -> Any:
@@ -216,7 +228,7 @@ class Upstream:
             api_base=s.api_base, api_key=api_key_of(s), timeout=s.timeout_s, num_retries=0, **extra,
         )
         if seed is not None:
-            common["seed"] = seed
+            common["seed"] = int64(seed)
         async with self.isolation.lease(handoff.scope, handoff.request_key) as isolated:
             return await self._mode.call(handoff, common, {**s.extra_body, **isolated})
 
@@ -234,6 +246,12 @@ class Upstream:
             cost_usd=self.estimate_cost(prompt_tokens, completion_tokens, usage.cached_tokens), latency_s=latency_s,
             cached_tokens=usage.cached_tokens, compute_ms=usage.compute_ms,
         )
+
+
+def int64(seed: int) -> int:
+    """`seed` as OpenAI's 64-bit signed seed, wrapped as the local decoder wraps it (mod 2**64): a
+    request's choices and samples offset its seed (`seed + choice`), which may pass 2**63 - 1."""
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 def isolation_for(settings: UpstreamSettings, store: Store) -> Isolation:

@@ -1,7 +1,10 @@
-"""How an upstream fails: its exceptions, which failures are transient, and the circuit breaker
-that keeps a failing upstream from being called."""
+"""How an upstream fails: its exceptions, which failures are transient, what a failure holds
+against the upstream, and the circuit breaker that keeps a failing upstream from being called."""
 
 from __future__ import annotations
+
+import re
+from typing import Literal
 
 import httpx
 
@@ -17,6 +20,15 @@ class UpstreamRejected(UpstreamUnavailable):
     not retried, not held against the upstream, and the same request would be refused again."""
 
     reason = "upstream_rejected"
+
+
+class UpstreamFailedRequest(UpstreamRejected):
+    """The upstream answered a 5xx to a call that carried values the client chose (see
+    `failure_of`), retries included: possibly this request's own fault, so, as a refusal, it is not
+    held against the upstream and the request asks it nothing more; but the client is told the
+    upstream failed (`upstream_unavailable`, a 502 to a passed-through request), not that it refused."""
+
+    reason = "upstream_unavailable"
 
 
 class UpstreamBusy(UpstreamUnavailable):
@@ -37,6 +49,25 @@ def is_transient(exc: BaseException) -> bool:
     """Transport errors, time-outs, 408, 429 and 5xx: worth a retry and held against the breaker."""
     status = status_of(exc)
     return status is None or status in (408, 429) or status >= 500
+
+
+Failure = Literal["outage", "refused", "request"]
+
+
+def failure_of(exc: BaseException, client_values: bool) -> Failure:
+    """What one failed call says about the upstream, which all tenants share.
+
+    `refused`: a 4xx other than 408 and 429, the request's own fault (the upstream is up).
+    `request`: a 5xx to a call that carried values the client chose (a seed, penalties, a whole
+    passed-through body): possibly the request's own fault (llama-server answered 500 to a seed of
+    10**309), so it holds nothing against the upstream. `outage`: the rest (transport errors,
+    time-outs, 408, 429, a 5xx to a call that carried none), held against it. `temperature` and
+    `top_p` do not make a call the client's: every hand-off sends them, in ranges every upstream
+    takes, and an upstream that fails every call must still open its breaker through those calls."""
+    if not is_transient(exc):
+        return "refused"
+    status = status_of(exc)
+    return "request" if client_values and status is not None and status >= 500 else "outage"
 
 
 class CircuitBreaker:
@@ -79,12 +110,31 @@ class CircuitBreaker:
         if trial:
             self._trial_running = False
 
+    def record_failure(self, failure: Failure, now: float, trial: bool = False) -> None:
+        """Record a failed call as `failure_of` judged it: an outage counts, a refusal shows the
+        upstream up, and a failure possibly of the request's own making counts neither way."""
+        if failure == "request":
+            self.abandon(trial)
+        else:
+            self.record(failure == "refused", now, trial)
+
+
+# litellm's prefixes on an upstream's words: "litellm.BadRequestError: OpenAIException - ..."
+LITELLM_PREFIX = re.compile(r"^(?:litellm\.\w+:\s*)?(?:\w+Exception\s*-\s*)?")
+WORDS_CHARS = 300  # the most of an upstream's own words a client is shown
+
 
 def upstream_message(exc: BaseException) -> str:
-    """The upstream's own words from an error (its OpenAI-shaped body when there is one)."""
+    """The upstream's own words from an error (its OpenAI-shaped body when there is one), without
+    litellm's class names and cut to WORDS_CHARS: a client sees what the upstream said, never
+    the gateway's internals."""
     body = getattr(exc, "body", None)
     if isinstance(body, dict):
         error = body.get("error", body)
         if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-    return str(getattr(exc, "message", None) or exc)
+            return _cut(str(error["message"]))
+    return _cut(LITELLM_PREFIX.sub("", str(getattr(exc, "message", None) or exc), count=1))
+
+
+def _cut(words: str) -> str:
+    return words if len(words) <= WORDS_CHARS else f"{words[:WORDS_CHARS]}..."

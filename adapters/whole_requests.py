@@ -19,10 +19,10 @@ from adapters.cache_isolation import Isolation
 from adapters.litellm_client import litellm
 from adapters.upstream_errors import (
     CircuitBreaker,
+    UpstreamFailedRequest,
     UpstreamRejected,
     UpstreamUnavailable,
-    is_transient,
-    status_of,
+    failure_of,
     upstream_message,
 )
 from adapters.upstream_server import server_root
@@ -95,9 +95,11 @@ class WholeRequests:
         `scope`, and return litellm's response, or its chunk stream once the upstream has started
         answering (an async iterator that holds the call's cache lease until it ends or is closed).
 
-        One attempt (the client retries, as it would with the provider); a transient failure
-        counts against the circuit breaker and raises UpstreamUnavailable, a refusal (4xx) raises
-        UpstreamRejected with the upstream's own message."""
+        One attempt (the client retries, as it would with the provider). The whole body is the
+        client's, so a 5xx may be of its own making: it raises UpstreamFailedRequest and holds
+        nothing against the upstream; a transport error, time-out, 408 or 429 counts against the
+        circuit breaker and raises UpstreamUnavailable; a refusal (4xx) raises UpstreamRejected
+        with the upstream's own words (adapters.upstream_errors.failure_of, upstream_message)."""
         trial = self._breaker.acquire(time.monotonic())
         if trial is None:
             raise UpstreamUnavailable(f"circuit breaker open for upstream '{self.name}'")
@@ -116,13 +118,13 @@ class WholeRequests:
                 extra_body=extra_body, **params)
         except (openai.OpenAIError, httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
             await lease.aclose()
-            transient = is_transient(exc)
-            # A 500 answering a client's own request body says little about the server (llama-server
-            # answers 500 to messages it cannot parse): only outages count against the breaker here.
-            self._breaker.record(not transient or status_of(exc) == 500, time.monotonic(), trial)
-            if transient:
-                raise UpstreamUnavailable(f"upstream '{self.name}' failed: {type(exc).__name__}: {exc}") from exc
-            raise UpstreamRejected(upstream_message(exc)) from exc
+            # llama-server answers 500 to messages it cannot parse, and to numbers past its parser
+            failure = failure_of(exc, client_values=True)
+            self._breaker.record_failure(failure, time.monotonic(), trial)
+            if failure == "refused":
+                raise UpstreamRejected(upstream_message(exc)) from exc
+            failed = UpstreamFailedRequest if failure == "request" else UpstreamUnavailable
+            raise failed(f"upstream '{self.name}' failed: {type(exc).__name__}: {exc}") from exc
         except BaseException:
             await lease.aclose()
             self._breaker.abandon(trial)

@@ -12,6 +12,7 @@ from adapters.memory_store import MemoryStore
 from adapters.pricing import Prices
 from adapters.store import Limits, StoreUnavailable
 from adapters.upstream import UpstreamRejected
+from adapters.upstream_errors import UpstreamFailedRequest
 from gateway.decoding.cost_ceiling import CostCeiling, cost_ratio
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import Sampling
@@ -539,17 +540,21 @@ async def test_a_store_outage_skips_one_hand_off_not_the_rest_of_the_request():
     invariant(decoding)
 
 
-async def test_a_rejected_hand_off_is_not_tried_again_in_the_request():
+@pytest.mark.parametrize(("error", "reason"), [
+    (UpstreamRejected("400: context length exceeded"), "upstream_rejected"),
+    (UpstreamFailedRequest("500 to the request's own seed"), "upstream_unavailable"),
+])
+async def test_a_rejected_hand_off_is_not_tried_again_in_the_request(error, reason):
     class Rejecting(FakeUpstream):
         async def continue_text(self, handoff, *args):
             self.calls.append(handoff)
-            raise UpstreamRejected("400: context length exceeded")
+            raise error
 
     upstream = Rejecting("Paris")
     decoding, _ = make(FakeLocalModel(VOCAB, "Paris is big."), upstream)
     text = "".join(p.text for p in await run(decoding))
     assert text == "Paris is big." and len(upstream.calls) == 1
-    assert decoding.usage.degraded == ["upstream_rejected"]
+    assert decoding.usage.degraded == [reason]
 
 
 async def test_a_reservation_outlives_its_slowest_possible_call():

@@ -416,6 +416,43 @@ def test_an_integer_past_pythons_digit_limit_is_a_400_on_every_endpoint():
             assert "more than 4300 digits" in error["message"]
 
 
+QUESTIONS = {"/v1/chat/completions": {"messages": [USER]}, "/v1/completions": {"prompt": "Hi"},
+             "/v1/responses": {"input": "Hi"}}
+
+
+@pytest.mark.parametrize(("path", "field", "value"), [
+    ("/v1/chat/completions", "seed", 10**309), ("/v1/chat/completions", "seed", 2**64),
+    ("/v1/chat/completions", "seed", 2**63), ("/v1/chat/completions", "seed", -(2**63) - 1),
+    ("/v1/completions", "seed", 10**309), ("/v1/chat/completions", "max_tokens", 2**31),
+    ("/v1/chat/completions", "max_completion_tokens", 10**309), ("/v1/completions", "max_tokens", 2**64),
+    ("/v1/responses", "max_output_tokens", 10**309),
+], ids=lambda value: "10**309" if value == 10**309 else str(value))
+def test_a_number_past_what_upstreams_parse_is_a_400_naming_it(path, field, value):
+    """llama-server answered `seed: 10**309` with a 500, which held the upstream's breaker against
+    every tenant; OpenAI's seed is a 64-bit signed integer."""
+    body = {"model": "m", **QUESTIONS[path], field: value}
+    with TestClient(gateway_app()) as client:
+        response = client.post(path, content=json.dumps(body), headers=AUTH)
+    error = response.json()["error"]
+    assert (response.status_code, error["type"], error["param"]) == (400, "invalid_request_error", field)
+    assert str(value) not in error["message"] and len(error["message"]) < 120
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 0, 2**63 - 1])
+def test_every_64_bit_seed_is_accepted(seed):
+    assert request(seed=seed).seed == seed
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999", "-1e400", "1" + "0" * 309])
+def test_numbers_past_a_double_are_a_400_naming_where(number):
+    """Python's parser reads them (1e999 as infinity); llama-server answers each with a 500."""
+    error = refusal('{"model": "m", "tools": [{"type": "function", "function": {"name": "f", "parameters": '
+                    '{"type": "number", "maximum": ' + number + '}}}]}')
+    assert (error.status, error.param) == (400, "tools[0].function.parameters.maximum")
+    assert "past a 64-bit float's range" in error.message and "0" * 20 not in error.message
+    assert parse('{"x": 1e308, "y": -0.0, "z": 5e-400, "n": ' + "9" * 308 + '}')["x"] == 1e308
+
+
 @pytest.mark.parametrize(("sent", "echoed"), [
     (b"req-42.a_b:c", True), (b"x" * 64, True), (b"x" * 65, False), (b"id\x1b[2J\x1b[31mred", False),
     (b'a", "level": "ERROR', False), (b"caf\xc3\xa9", False),
@@ -435,7 +472,7 @@ def test_a_client_request_id_is_echoed_only_if_it_is_plain(sent, echoed):
     ({"functions": [{"name": ""}]}, "functions[0].name"),
 ])
 def test_a_function_tool_without_a_name_is_a_400_naming_it(fields, param):
-    """llama-server answered one with a 500: a 502 to the client, and a failure against the breaker.
+    """llama-server answered one with a 500, a 502 to the client.
     Pass-through admission refuses it before any upstream call."""
     with pytest.raises(InvalidRequest) as refused:
         check_tools(request(**fields), ["function"], SERVER)

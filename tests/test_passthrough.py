@@ -1,20 +1,23 @@
-"""Which field keeps a request off the token-level path, and what admitting it holds (unit: the
-request schema, blocker_of, admit)."""
+"""Which field keeps a request off the token-level path, what admitting it holds, and what a
+client sees when the upstream fails it (unit: the request schema, blocker_of, admit, Passing)."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
+import httpx
 import pytest
 
 from adapters.memory_store import MemoryStore
 from adapters.store import RateLimits
+from adapters.upstream import Upstream
 from gateway.admission.passthrough import admit, blocker_of, check_media, check_tools
-from gateway.settings import RateLimitSettings, ServerSettings, TenantSettings
+from gateway.decoding.passing import Passing
+from gateway.settings import RateLimitSettings, ServerSettings, TenantSettings, UpstreamSettings
 from gateway.tenancy.budget import Ledger
 from gateway.tenancy.tenants import Tenant
-from gateway.wire.errors import InvalidRequest
+from gateway.wire.errors import GatewayError, InvalidRequest
 from gateway.wire.schemas import ChatCompletionRequest
 
 USER = {"role": "user", "content": "Hi"}
@@ -112,3 +115,62 @@ async def test_a_pass_through_that_ends_before_its_reservation_gives_its_paralle
     with pytest.raises(asyncio.CancelledError):
         await admitting
     assert await store.admit("t", "r2", one, 0, NOW) is None
+
+
+class FailingLitellm:
+    """Stands for the litellm module: the upstream answers every whole request with `error`, and
+    a litellm exception's text says what llama-server said of a seed of 10**309, the key it was
+    called with included (an echo the gateway must not pass on)."""
+
+    def __init__(self, status: int | None) -> None:
+        self.status = status
+
+    async def acompletion(self, **kwargs):
+        from adapters.litellm_client import litellm
+
+        said = f"number overflow at seed={kwargs['seed']} (api_key={kwargs['api_key']})"
+        if self.status is None:
+            raise httpx.ConnectError(said)
+        kind = litellm().InternalServerError if self.status == 500 else litellm().ServiceUnavailableError
+        raise kind(message=f"OpenAIException - {said}", llm_provider="openai", model="x")
+
+
+def passing(monkeypatch, status: int | None, seed: int) -> Passing:
+    import adapters.whole_requests
+
+    monkeypatch.setenv("UPSTREAM_KEY", "sk-upstream-secret")
+    monkeypatch.setattr(adapters.whole_requests, "litellm", lambda: FailingLitellm(status))
+    upstream = Upstream("internal-upstream-key", UpstreamSettings(
+        model="openai/x", mode="chat_fallback", api_key_env="UPSTREAM_KEY", breaker_failures=1), None)
+
+    async def nothing(*args) -> None:
+        return None
+
+    body = request(tools=[{"type": "function", "function": {"name": "f"}}], seed=seed)
+    gate = SimpleNamespace(cache_scope="tenant:t", release=nothing)
+    return Passing("chatcmpl-1", 0, "t", body, blocker_of(body, 64), upstream, gate, None,
+                   {"messages": [USER], "seed": seed, "tools": body.tools}, 10, give_back_slot=nothing)
+
+
+@pytest.mark.parametrize("status", [500, 503])
+async def test_a_5xx_to_a_pass_through_is_a_short_502_and_opens_nothing(monkeypatch, caplog, status):
+    seed = 2**63 - 1
+    call = passing(monkeypatch, status, seed)
+    for _ in range(3):
+        with pytest.raises(GatewayError) as failed:
+            await call.complete()
+    error = failed.value.body()["error"]
+    assert (failed.value.status, error["code"]) == (502, "upstream_unavailable")
+    assert error["message"] == f"the upstream model is unavailable (it answered HTTP {status}); retry shortly"
+    for leaked in ("litellm", "Error", "Exception", "internal-upstream-key", "sk-upstream-secret", str(seed)):
+        assert leaked not in error["message"]
+    assert "sk-upstream-secret" not in caplog.text and f"HTTP {status}" in caplog.text
+    assert call.upstream.available  # the client's own body may have caused it: other tenants still pass
+
+
+async def test_an_unreachable_upstream_still_opens_the_breaker_for_pass_through(monkeypatch):
+    call = passing(monkeypatch, None, 7)
+    with pytest.raises(GatewayError) as failed:
+        await call.complete()
+    assert failed.value.message == "the upstream model is unavailable; retry shortly"
+    assert not call.upstream.available

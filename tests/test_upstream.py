@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 
 from adapters.continuation_modes import strip_echo
-from adapters.upstream import CircuitBreaker, UpstreamRejected, UpstreamUnavailable, is_transient
+from adapters.upstream import CircuitBreaker, UpstreamRejected, UpstreamUnavailable
+from adapters.upstream_errors import UpstreamFailedRequest, failure_of, is_transient, upstream_message
 from gateway.runtime import make_upstream
 from gateway.settings import UpstreamSettings
 from tests.conftest import SMOL, free_port
@@ -137,3 +139,95 @@ def test_breaker_closes_on_success():
 )
 def test_strip_echo(answer, text, expected):
     assert strip_echo(answer, text) == expected
+
+
+POISON = 12345  # a seed the stub upstream fails on, as llama-server failed on 10**309
+
+
+class PoisonedUpstream:
+    """Stands for the litellm module: a chat upstream that answers 500 to calls carrying any of
+    `poison`'s values (to every call, with `down`), else one word; it records the seeds it was sent."""
+
+    def __init__(self, down: bool = False, **poison) -> None:
+        self.down, self.poison, self.seeds = down, poison, []
+
+    async def acompletion(self, **kwargs):
+        from adapters.litellm_client import litellm
+
+        self.seeds.append(kwargs.get("seed"))
+        if self.down or any(kwargs.get(name) == value for name, value in self.poison.items()):
+            raise litellm().InternalServerError(message="OpenAIException - number overflow", llm_provider="openai",
+                                                model="x")
+        message = SimpleNamespace(content=" Paris")
+        return SimpleNamespace(choices=[SimpleNamespace(finish_reason="stop", message=message)],
+                               usage=SimpleNamespace(prompt_tokens=5, completion_tokens=1))
+
+
+def stubbed(monkeypatch, stub: PoisonedUpstream):
+    import adapters.continuation_modes
+
+    monkeypatch.setattr(adapters.continuation_modes, "litellm", lambda: stub)
+    return make_upstream("up", UpstreamSettings(model="openai/x", mode="chat_prefix", retries=1, breaker_failures=2))
+
+
+async def test_a_5xx_to_one_requests_own_values_opens_nothing_for_other_tenants(monkeypatch):
+    upstream = stubbed(monkeypatch, PoisonedUpstream(seed=POISON, presence_penalty=1.5))
+    handoff = upstream.handoff(QUESTION)
+    for _ in range(3):  # warm-up, hand-off and retry used to open the shared breaker
+        with pytest.raises(UpstreamFailedRequest):
+            await upstream.continue_text(handoff, 1, 0.7, 1.0, POISON)
+        with pytest.raises(UpstreamFailedRequest):
+            await upstream.continue_text(handoff, 1, 0.0, 1.0, None, {"presence_penalty": 1.5})
+    assert upstream.available
+    assert (await upstream.continue_text(handoff, 1, 0.0, 1.0, None)).text == " Paris"
+
+
+async def test_an_upstream_that_fails_every_call_still_opens_its_breaker(monkeypatch):
+    upstream = stubbed(monkeypatch, PoisonedUpstream(down=True))
+    handoff = upstream.handoff(QUESTION)
+    with pytest.raises(UpstreamFailedRequest):
+        await upstream.continue_text(handoff, 1, 0.7, 1.0, POISON)  # possibly its own seed: counts nothing
+    assert upstream.available
+    with pytest.raises(UpstreamUnavailable) as failed:
+        await upstream.continue_text(handoff, 1, 0.0, 1.0, None)  # no client values: two failures count
+    assert not isinstance(failed.value, UpstreamRejected) and not upstream.available
+
+
+@pytest.mark.parametrize(("error", "failure"), [
+    (status_error(400), "refused"), (status_error(422), "refused"), (status_error(500), "request"),
+    (status_error(503), "request"), (status_error(429), "outage"), (status_error(408), "outage"),
+    (httpx.ConnectError("refused"), "outage"), (TimeoutError(), "outage"),
+])
+def test_what_a_failure_with_client_values_holds_against_the_upstream(error, failure):
+    assert failure_of(error, client_values=True) == failure
+    assert failure_of(error, client_values=False) == ("refused" if failure == "refused" else "outage")
+
+
+def test_a_failure_of_the_requests_own_making_counts_neither_way():
+    breaker = CircuitBreaker(failures=2, cooldown_s=10)
+    breaker.record(False, 0.0)
+    breaker.record_failure("request", 1.0)
+    breaker.record_failure("outage", 2.0)
+    assert not breaker.allows(2.0)  # the first failure still counted: nothing reset it
+    trial = breaker.acquire(13.0)
+    breaker.record_failure("request", 14.0, trial)  # a half-open trial that proves nothing frees the slot
+    assert breaker.acquire(14.0) is True
+
+
+async def test_a_seed_reaches_the_upstream_as_a_64_bit_integer(monkeypatch):
+    stub = PoisonedUpstream()
+    upstream = stubbed(monkeypatch, stub)
+    for seed in (-(2**63), -1, 2**63 - 1, 2**63 - 1 + 3):  # a request's third choice offsets its seed by 3
+        await upstream.continue_text(upstream.handoff(QUESTION), 1, 0.7, 1.0, seed)
+    assert stub.seeds == [-(2**63), -1, 2**63 - 1, -(2**63) + 2]
+    assert all(seed % 2**64 == sent % 2**64 for seed, sent in zip((-1, 2**63 + 2), stub.seeds[1::2], strict=True))
+
+
+def test_an_upstreams_words_reach_a_client_without_litellms_class_names():
+    from adapters.litellm_client import litellm
+
+    refused = litellm().BadRequestError(message="OpenAIException - " + "context too long " * 100,
+                                        llm_provider="openai", model="x")
+    words = upstream_message(refused)
+    assert words.startswith("context too long") and len(words) <= 303
+    assert "litellm" not in words and "Exception" not in words

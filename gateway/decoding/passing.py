@@ -6,16 +6,19 @@ client leaves; the answer keeps the upstream's shapes under the gateway's id and
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.store import Billed, Reservation
 from adapters.upstream import Upstream, UpstreamRejected, UpstreamUnavailable
-from adapters.upstream_errors import UpstreamBusy
+from adapters.upstream_errors import UpstreamBusy, UpstreamFailedRequest, status_of
 from gateway.decoding.handoffs import Gate
 from gateway.wire.errors import GatewayError, InvalidRequest, Overloaded
 from gateway.wire.schemas import ChatCompletionRequest
+
+log = logging.getLogger("gateway.decoding.passing")
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,9 @@ class Passing:
         call = asyncio.ensure_future(self.upstream.whole.chat(params, self.gate.cache_scope))
         try:
             return await asyncio.shield(call)  # a client that leaves leaves the call running, to be billed
+        except UpstreamFailedRequest as exc:  # before UpstreamRejected, which it extends: a 502, not a 400
+            await asyncio.shield(self.gate.release(self.reservation))
+            raise self._unavailable(exc) from exc
         except UpstreamRejected as exc:
             await asyncio.shield(self.gate.release(self.reservation))
             raise InvalidRequest(f"the upstream refused the request: {exc}", param=self.blocker.param) from exc
@@ -124,12 +130,25 @@ class Passing:
             raise Overloaded(f"the upstream model is busy ({exc}); retry shortly") from exc
         except UpstreamUnavailable as exc:
             await asyncio.shield(self.gate.release(self.reservation))
-            error = GatewayError(f"the upstream model is unavailable ({exc}); retry shortly")
-            error.status, error.code = 502, "upstream_unavailable"
-            raise error from exc
+            raise self._unavailable(exc) from exc
         except BaseException:
             self.gate.finish_in_background(self.reservation, call, self._settle_unread)
             raise
+
+    def _unavailable(self, exc: UpstreamUnavailable) -> GatewayError:
+        """The 502 of a call the upstream failed: a fixed sentence and the status it answered, never
+        the exception's text (litellm's class names, the upstream's key, the client's own values).
+        The log names the exception, but keeps no upstream's words: they may quote the prompt."""
+        cause = exc.__cause__
+        status = None if cause is None else status_of(cause)
+        if cause is None:  # the gateway's own words (an open breaker)
+            log.warning("pass-through %s failed: %s", self.id, exc)
+        else:
+            log.warning("pass-through %s failed: %s (HTTP %s)", self.id, type(cause).__name__, status)
+        answered = f" (it answered HTTP {status})" if status is not None else ""
+        error = GatewayError(f"the upstream model is unavailable{answered}; retry shortly")
+        error.status, error.code = 502, "upstream_unavailable"
+        return error
 
     async def _settle_unread(self, response: Any) -> None:
         """Settle a call whose client left before reading it: a whole answer as it reports, a stream

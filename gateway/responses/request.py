@@ -13,7 +13,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 
 from gateway.settings import RoutingOverride
 from gateway.wire.errors import InvalidRequest, param_of, quoted
-from gateway.wire.schemas import ChatCompletionRequest, Open, Wire, check_schema_bounds
+from gateway.wire.schemas import TOKENS_MAX, ChatCompletionRequest, Open, Wire, check_schema_bounds
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
@@ -52,7 +52,7 @@ class ResponsesRequest(Wire):
                                                      "calls and their outputs).")
     instructions: str | None = None
     previous_response_id: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=TOKENS_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     top_logprobs: int | None = Field(None, ge=0, le=20)

@@ -3,8 +3,10 @@
 Everything here runs before the body meets pydantic, litellm or an upstream, so that no body can
 cause a 500: Python's JSON parser recurses (a body nested 10,000 deep raises RecursionError) and
 refuses integers of more than 4,300 digits (ValueError), and JSON's `\\ud800` escapes decode to
-lone surrogates that fail later, wherever the text is encoded. The walk is iterative and names the
-offending field as OpenAI's `param` does.
+lone surrogates that fail later, wherever the text is encoded. Python's parser also reads what JSON
+is not (`NaN`, `Infinity`), and numbers past a double's range (`1e999`, read as infinity, or a
+310-digit integer): llama-server answers 500 to each, so they are refused too. The walk is
+iterative and names the offending field as OpenAI's `param` does.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ def parse_json_body(raw: bytes, max_bytes: int, max_depth: int) -> dict[str, Any
 
 
 def check_json(value: Any, max_depth: int, path: str = "") -> None:
-    """Refuse a value nested deeper than `max_depth`, or holding a string or key that is not valid
-    Unicode (a lone surrogate); `path` names `value` in the error's param."""
+    """Refuse a value nested deeper than `max_depth`, holding a string or key that is not valid
+    Unicode (a lone surrogate), or a number that is not a double's (NaN, infinities, a 310-digit
+    integer); `path` names `value` in the error's param."""
     stack: list[tuple[Any, str, int]] = [(value, path, 0)]
     while stack:
         item, where, depth = stack.pop()
@@ -68,6 +71,10 @@ def check_json(value: Any, max_depth: int, path: str = "") -> None:
             raise InvalidRequest(f"'{where}' is nested deeper than {max_depth} levels", param=where or None)
         if isinstance(item, str):
             _check_text(item, where)
+        elif isinstance(item, (int, float)) and not abs(item) <= sys.float_info.max:  # NaN compares False
+            name = f"'{quoted(where)}'" if where else "the request body"
+            raise InvalidRequest(f"{name} is NaN, infinite or past a 64-bit float's range: not a number upstreams "
+                                 "read", param=quoted(where) if where else None)
         elif isinstance(item, dict):
             for key, child in item.items():
                 _check_text(key, where)

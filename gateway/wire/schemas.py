@@ -148,6 +148,11 @@ class ResponseFormat(Open):
 
 
 TOKEN_ID = re.compile(r"[0-9]{1,9}")
+# Numbers a request forwards to an upstream stay within what every upstream's API parses: a seed is
+# OpenAI's 64-bit signed integer (llama-server answered 500 to 10**309, which held the upstream's
+# breaker against every tenant); a token count fits 32 bits (llama-server's own limit), far past any context.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+TOKENS_MAX = 2**31 - 1
 NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "stream", "logprobs", "frequency_penalty", "presence_penalty",
                       "echo", "max_tokens")
 
@@ -185,11 +190,11 @@ class SamplingRequest(Wire):
 class ChatCompletionRequest(SamplingRequest):
     model: str
     messages: list[Message] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=TOKENS_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=TOKENS_MAX)
     temperature: float | None = Field(1.0, ge=0, le=2)
     top_p: float | None = Field(1.0, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -266,7 +271,7 @@ class CompletionRequest(SamplingRequest):
     model: str
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="Text, texts, or token ids in the local model's vocabulary (one list per prompt).")
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = Field(16, ge=0, le=TOKENS_MAX)
     temperature: float | None = Field(1.0, ge=0, le=2)
     top_p: float | None = Field(1.0, ge=0, le=1)
     n: int | None = Field(1, ge=1, le=8)
@@ -279,7 +284,7 @@ class CompletionRequest(SamplingRequest):
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     suffix: str | None = None
     user: str | None = None
     routing: RoutingOverride | None = None
