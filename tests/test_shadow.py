@@ -17,13 +17,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from adapters.memory_store import MemoryStore
 from gateway.settings import RoutingOverride, RoutingSettings, Settings, SettingsError, load_settings
-from gateway.shadow.cases import ShadowCase, case_of, cut_at_stop
-from gateway.shadow.config import KnobSettings, OperatorShadowSettings
+from gateway.shadow.cases import ShadowCase, case_of, changes_routing, cut_at_stop
+from gateway.shadow.config import KnobSettings, OperatorShadowSettings, TenantShadow
 from gateway.shadow.controller import KnobController
-from gateway.shadow.figures import figures_of, wilson
+from gateway.shadow.figures import OVERRIDDEN, figures_of, wilson
 from gateway.shadow.metrics import ShadowCollector
 from gateway.shadow.report import quality_report
-from gateway.shadow.service import Shadow
+from gateway.shadow.service import Shadow, feeders
 from gateway.tenancy.budget import Ledger
 from gateway.tenancy.routing import resolve_routing
 from tests.conftest import gateway_config
@@ -35,17 +35,25 @@ STEERED = {**SHADOWED, "quality_target": 0.8,
            "knob": {"field": "threshold", "floor": 1.0, "ceiling": 4.0, "step": 0.5, "window": 5, "dead_band": 0.05}}
 
 
+def tenant_settings(**changes) -> SimpleNamespace:
+    """A tenant's settings as the shadow service reads them: every alias, data may leave, no overrides."""
+    return SimpleNamespace(**{"aliases": None, "allow_upstream": True, "shadow": None, "routing": None, **changes})
+
+
 def make_shadow(routing: dict, upstream: FakeUpstream | None = None, store: MemoryStore | None = None,
                 tenants: int = 1, seed: int = 0, **operator) -> Shadow:
     alias = SimpleNamespace(settings=SimpleNamespace(routing=RoutingSettings(**routing)),
                             upstream=upstream or FakeUpstream("The answer is 42."))
-    settings = SimpleNamespace(shadow=OperatorShadowSettings(**operator), tenants=[None] * tenants)
+    settings = SimpleNamespace(shadow=OperatorShadowSettings(**operator),
+                               tenants=[tenant_settings() for _ in range(tenants)])
     return Shadow.of(settings, {"routed": alias}, Ledger(store or MemoryStore()), rng=random.Random(seed))
 
 
-def case(answer: str, tenant: str = "demo", routed_cost: float = 1e-6, **changes) -> ShadowCase:
+def case(answer: str, tenant: str = "demo", routed_cost: float = 1e-6, max_tokens: int = 16,
+         **changes) -> ShadowCase:
     return ShadowCase(alias="routed", tenant=tenant, tenant_rate=changes.pop("tenant_rate", None), answer=answer,
-                      routed_cost=routed_cost, max_tokens=16, messages=[{"role": "user", "content": "q?"}], **changes)
+                      routed_cost=routed_cost, max_tokens=max_tokens, messages=[{"role": "user", "content": "q?"}],
+                      **changes)
 
 
 async def drain(shadow: Shadow) -> list[bool | None]:
@@ -265,6 +273,139 @@ async def test_the_knob_steers_the_alias_default_and_overrides_still_win():
     assert resolve_routing(shadow.routing_of("routed", alias), None, RoutingOverride(policy="never")).policy == "never"
 
 
+# -- one tenant's reach: the shared knob, the operator's budget, /v1/models --
+
+def finished(answer: str, tenant: str = "demo", routing: RoutingOverride | None = None,
+             tenant_routing: RoutingOverride | None = None) -> SimpleNamespace:
+    """A finished token-level request as case_of reads it: one choice, no grammar."""
+    request = SimpleNamespace(grammar=None, messages=[{"role": "user", "content": "q?"}], prompt=None,
+                              continue_final=False, seed=None, stop=(), rules=SimpleNamespace(upstream_params=dict),
+                              sampling=SimpleNamespace(temperature=0.0, top_p=1.0))
+    decoding = SimpleNamespace(finish_reason="stop", request=request, text=SimpleNamespace(text=answer), limit=16,
+                               usage=SimpleNamespace(upstream_cost_usd=0.0), gate=SimpleNamespace(cache_scope="s"))
+    settings = tenant_settings(routing=tenant_routing)
+    return SimpleNamespace(decodings=[decoding], tenant=SimpleNamespace(id=tenant, settings=settings),
+                           alias=SimpleNamespace(name="routed"), body=SimpleNamespace(routing=routing))
+
+
+def test_an_override_changes_the_alias_routing_where_it_sets_another_value_or_the_knob():
+    routing = RoutingSettings(**STEERED)
+    assert not changes_routing(routing, [{"policy": "entropy"}, {"span": 1}])  # the alias's own values
+    assert changes_routing(routing, [{"policy": "never"}])
+    assert changes_routing(routing, [{}, {"max_upstream_tokens": 5}])
+    assert changes_routing(routing, [{"threshold": 3.0}])  # the knob's field: pinned, even at the same value
+    assert not changes_routing(RoutingSettings(**SHADOWED), [{"threshold": 3.0}])  # no knob: the same routing
+    assert case_of(finished("42", routing=RoutingOverride(policy="never"))).overrides == ({"policy": "never"},)
+    assert case_of(finished("42", tenant_routing=RoutingOverride(span=2))).overrides == ({"span": 2},)
+
+
+async def test_overridden_requests_are_counted_apart_and_never_move_the_knob():
+    store = MemoryStore()
+    shadow = make_shadow(STEERED, store=store, queue=64)
+    for _ in range(22):  # all disagree: fed to the knob, 4 windows would take it from 3.0 to the floor
+        shadow.offer(case_of(finished("7", routing=RoutingOverride(policy="never"))))
+    shadow.offer(case_of(finished("7", tenant_routing=RoutingOverride(threshold=1.0))))  # a tenant's own, too
+    assert await drain(shadow) == [False] * 23
+    assert shadow.routing_of("routed", RoutingSettings(**STEERED)).threshold == 3.0
+    totals, _ = await store.quality_read("routed")
+    assert figures_of(totals).samples == figures_of(totals).eligible == 0
+    apart = figures_of(totals, OVERRIDDEN)
+    assert (apart.eligible, apart.samples, apart.agreed) == (23, 23, 0)
+    (entry,) = (await quality_report(shadow, time.time(), minutes=10))["aliases"]
+    assert entry["figures"]["samples"] == 0 and entry["timeline"][-1]["samples"] == 0
+    assert entry["overridden"]["figures"]["samples"] == 23 and entry["overridden"]["tenants"]["demo"]["samples"] == 23
+    shadow.offer(case_of(finished("7", routing=RoutingOverride(policy="entropy"))))  # the alias's own: it counts
+    await drain(shadow)
+    assert (await pooled(store)).samples == 1
+
+
+async def test_one_tenant_alone_cannot_move_a_knob_that_tenants_share():
+    store = MemoryStore()
+    shadow = make_shadow(STEERED, store=store, tenants=2, queue=64)
+    routing = RoutingSettings(**STEERED)
+    for _ in range(25):  # five windows' worth, all disagreeing
+        shadow.offer(case("7", tenant="loud"))
+    await drain(shadow)
+    assert shadow.routing_of("routed", routing).threshold == 3.0  # at most 3 of each window of 5 are one tenant's
+    assert (await pooled(store)).samples == 25  # its samples still count in the figures
+    for _ in range(2):
+        shadow.offer(case("7", tenant="quiet"))
+    await drain(shadow)
+    assert shadow.routing_of("routed", routing).threshold == 2.5  # two tenants filled the window: it moved
+    for tenant in ["loud"] * 4 + ["quiet"] * 2:  # a new window: each tenant's share starts again
+        shadow.offer(case("7", tenant=tenant))
+    await drain(shadow)
+    assert shadow.routing_of("routed", routing).threshold == 2.0
+
+
+def test_only_tenants_that_can_feed_a_knob_share_it():
+    routing = RoutingSettings(**STEERED)
+    tenants = [tenant_settings(), tenant_settings(shadow=TenantShadow(rate=0.0)), tenant_settings(aliases=["other"]),
+               tenant_settings(allow_upstream=False), tenant_settings(routing=RoutingOverride(policy="never"))]
+    assert feeders(tenants, "routed", routing) == 1
+    assert make_shadow(STEERED).lanes["routed"].tenant_cap is None  # one tenant's knob is its own
+    assert make_shadow(STEERED, tenants=2).lanes["routed"].tenant_cap == 3
+
+
+async def test_a_shadow_call_asks_for_at_most_shadow_max_tokens():
+    store = MemoryStore()
+    long_answer = "word " * 300  # 750 tokens at 2 characters a token
+    shadow = make_shadow(SHADOWED, FakeUpstream(long_answer), store, operator="ops")
+    shadow.offer(case("word", max_tokens=1024))  # the client asked for 1,024
+    assert await drain(shadow) == [None]  # cut at 256 where the routed answer could run on: not compared
+    (day, _) = await store.usage("ops", time.time())
+    assert day.upstream_completion_tokens == OperatorShadowSettings().max_tokens == 256
+    assert (await pooled(store)).skipped == {"length": 1}
+    short = make_shadow(SHADOWED, store=MemoryStore(), max_tokens=8)
+    short.offer(case("42", max_tokens=1024))
+    short.offer(case("42", max_tokens=4))  # under the cap: the routed answer's own limit, as before
+    await drain(short)
+    (day, _) = await short.ledger.store.usage("shadow-operator", time.time())
+    assert day.upstream_completion_tokens == 8 + 4
+
+
+async def test_a_tenant_spends_at_most_its_share_of_the_shadow_budget():
+    store = MemoryStore()
+    # one call reserves 26 tokens' worth (10 prompt + 16 asked) and bills 20: a quarter of 1.2e-4 fits one
+    shadow = make_shadow(SHADOWED, store=store, tenants=2, queue=64, daily={"upstream_cost_usd": 1.2e-4})
+    for tenant in ("greedy", "greedy", "greedy", "other", "other"):
+        shadow.offer(case("42", tenant=tenant))
+    assert await drain(shadow) == [True, None, None, True, None]
+    figures = await pooled(store)
+    assert figures.samples == 2 and figures.skipped == {"tenant_share": 3}
+    now = time.time()
+    (greedy, _), (other, _) = [await store.usage(f"shadow-operator:{tenant}", now) for tenant in ("greedy", "other")]
+    assert 0 < greedy.upstream_cost_usd <= 3e-5 and 0 < other.upstream_cost_usd <= 3e-5
+    (operator, _) = await store.usage("shadow-operator", now)
+    assert operator.upstream_cost_usd == pytest.approx(greedy.upstream_cost_usd + other.upstream_cost_usd)
+    assert make_shadow(SHADOWED, daily={"upstream_cost_usd": 1.2e-4}).tenant_limits is None  # one tenant: all of it
+
+
+def test_models_show_a_tenant_only_the_routing_it_can_set():
+    from fastapi.testclient import TestClient
+
+    from gateway.api.app import create_app
+
+    settings = settings_with(STEERED)
+
+    async def start(_settings):
+        async def close():
+            pass
+        alias = SimpleNamespace(settings=settings.aliases["routed"], upstream=None)
+        tenant = SimpleNamespace(id="demo", may_use=lambda name: True)
+        return SimpleNamespace(aliases={"routed": alias}, local_models={}, closed=False, close=close,
+                               tenants=SimpleNamespace(authenticate=lambda key: tenant if key == "sk-t" else None,
+                                                       is_admin=lambda key: False))
+
+    with TestClient(create_app(settings, start_runtime=start)) as client:
+        answer = client.get("/v1/models", headers={"Authorization": "Bearer sk-t"})
+    assert answer.status_code == 200
+    (model,) = answer.json()["data"]
+    assert model["routing"]["policy"] == "entropy" and model["routing"]["threshold"] == 3.0
+    assert not {"shadow", "quality_target", "knob", "router"} & set(model["routing"])
+    assert not any(name in answer.text for name in ('"shadow"', '"quality_target"', '"floor"', '"ceiling"'))
+
+
 # -- settings --
 
 def settings_with(routing: dict | None = None, **top) -> Settings:
@@ -461,7 +602,8 @@ class HoldingProxy:
 
 def shadow_config(upstream: str, **store) -> dict:
     config = gateway_config(upstream, mode="tokens")
-    config["aliases"]["routed"]["routing"] = {"policy": "entropy", "threshold": 1.0, "shadow": {"rate": 1.0}}
+    # local only, as the requests ask: a request whose routing differs from the alias's is counted apart
+    config["aliases"]["routed"]["routing"] = {"policy": "never", "shadow": {"rate": 1.0}}
     config["shadow"] = {"operator": "ops", "refresh_s": 0.5}
     if store:
         config["store"] = store

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette.sse import AppStatus
 
 from gateway.runtime import Runtime
+from gateway.settings import RoutingOverride, RoutingSettings
 from gateway.shadow.report import MAX_MINUTES, quality_report
 from gateway.tenancy.tenants import Tenant
 from gateway.wire.errors import Forbidden, GatewayError, InvalidRequest, Unauthenticated, quoted
@@ -40,10 +41,20 @@ async def list_models(request: Request):
     data = [
         {"id": name, "object": "model", "created": 0, "owned_by": "routing-gateway",
          "local": alias.settings.local, "upstream": alias.settings.upstream,
-         "routing": alias.settings.routing.model_dump(exclude_none=True)}
+         "routing": tenant_view(alias.settings.routing)}
         for name, alias in runtime.aliases.items() if tenant.may_use(name)
     ]
     return {"object": "list", "data": data}
+
+
+def tenant_view(routing: RoutingSettings) -> dict:
+    """An alias's default routing as a tenant sees it: the fields a tenant's or request's `routing`
+    may set. The rest is the operator's (shadow rate, quality target, knob bounds, router and
+    check files)."""
+    shown = routing.model_dump(include=set(RoutingOverride.model_fields), exclude_none=True)
+    if isinstance(routing.answer_check, str):  # a fitted check file: the configuration's to name
+        shown.pop("answer_check", None)
+    return shown
 
 
 @router.get("/v1/usage")

@@ -1,10 +1,13 @@
 """What a finished token-level answer hands to the shadow service: the prompt as it was asked, the
-routed answer's text and cost, and the sampling to ask the upstream with. Nothing here is stored:
-a case lives in the bounded queue until its shadow call is compared, then it is dropped.
+routed answer's text and cost, the sampling to ask the upstream with, and the routing overrides it
+ran under (a request that ran other routing than the alias's is kept apart: `changes_routing`).
+Nothing here is stored: a case lives in the bounded queue until its shadow call is compared, then
+it is dropped.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +29,7 @@ class ShadowCase:
     extra: dict[str, Any] = field(default_factory=dict)  # penalties, as hand-offs send them
     stop: tuple[str, ...] = ()
     scope: str = "shared"  # the tenant's cache scope: the upstream's prefix cache stays its own
+    overrides: tuple[dict[str, Any], ...] = ()  # the fields the tenant's and the request's `routing` set
 
 
 def case_of(started: Any) -> ShadowCase | None:
@@ -47,7 +51,31 @@ def case_of(started: Any) -> ShadowCase | None:
         answer=decoding.text.text, routed_cost=decoding.usage.upstream_cost_usd, max_tokens=decoding.limit,
         messages=request.messages, prompt=request.prompt, continue_final=request.continue_final,
         temperature=request.sampling.temperature, top_p=request.sampling.top_p, seed=request.seed,
-        extra=request.rules.upstream_params(), stop=request.stop, scope=decoding.gate.cache_scope)
+        extra=request.rules.upstream_params(), stop=request.stop, scope=decoding.gate.cache_scope,
+        overrides=_overrides(started))
+
+
+def _overrides(started: Any) -> tuple[dict[str, Any], ...]:
+    tenant = getattr(started.tenant.settings, "routing", None)
+    request = getattr(getattr(started, "body", None), "routing", None)
+    return tuple(fields for fields in (set_fields(tenant), set_fields(request)) if fields)
+
+
+def set_fields(override: Any) -> dict[str, Any]:
+    """The fields a routing override (a tenant's or a request's `routing`, or None) sets."""
+    return {} if override is None else override.model_dump(exclude_none=True)
+
+
+def changes_routing(routing: Any, overrides: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether `overrides` (each the fields one override sets) change what an alias of `routing`
+    runs: one sets a field to another value than the alias's, or sets the field its quality knob
+    moves (the knob would no longer decide it, even at the same value). Such a request's shadow
+    sample says nothing about the alias's own routing, so it never feeds the knob."""
+    if not any(overrides):
+        return False
+    own = routing.model_dump(exclude_none=True)
+    knob = routing.knob.field if routing.knob is not None else None
+    return any(key == knob or own.get(key) != value for fields in overrides for key, value in fields.items())
 
 
 def _tenant_rate(tenant: Any) -> float | None:

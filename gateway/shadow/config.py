@@ -44,7 +44,8 @@ class KnobSettings(_Strict):
     floor: float = Field(..., description="Lowest value the controller sets.")
     ceiling: float = Field(..., description="Highest value the controller sets.")
     step: float = Field(..., gt=0, description="How far one move goes.")
-    window: int = Field(50, ge=5, le=100_000, description="Shadow samples (pooled over replicas) per decision.")
+    window: int = Field(50, ge=5, le=100_000, description="Shadow samples (pooled over replicas) per decision; where "
+                        "two or more tenants can feed it, one tenant's fill at most half of each (rounded up).")
     dead_band: float = Field(0.03, ge=0, lt=0.5, description="No move while a window's agreement is within this "
                              "of the target (hysteresis).")
     more_quality: Literal["raise", "lower"] | None = Field(
@@ -102,6 +103,12 @@ class OperatorShadowSettings(_Strict):
     queue: int = Field(8, ge=1, le=1024, description="Sampled answers that may wait for a shadow call; past it "
                        "they are skipped (reason queue).")
     workers: int = Field(1, ge=1, le=16, description="Shadow calls made at once.")
+    max_tokens: int = Field(256, ge=1, le=100_000, description="Most tokens one shadow call asks for, whatever the "
+                            "client's max_tokens; a shadow answer cut here while the routed answer could run longer "
+                            "is not compared (skip reason length).")
+    tenant_share: float = Field(0.25, gt=0, le=1, description="The most of the operator's daily and monthly shadow "
+                                "budget that one tenant's requests may spend (past it they are skipped, reason "
+                                "tenant_share; 1, or a configuration of one tenant: no per-tenant bound).")
     bucket_s: int = Field(60, ge=10, le=3600, description="Width of the timeline's buckets (seconds).")
     history_s: int = Field(86_400, ge=60, le=30 * 86_400, description="How long the timeline's buckets are kept.")
     refresh_s: float = Field(5.0, gt=0, le=300, description="How often a replica reads the pooled figures and knob "

@@ -3,7 +3,10 @@ against upstream-only's for the same sampled requests, the savings, the share sa
 
 The Store keeps one hash of counters per alias (see `fields`); a tenant's counters are the same
 names behind the prefix `t:<tenant>:` (tenant ids hold no ':'), answer formats' behind
-`fmt:<format>:`, skips are `skip:<reason>`. Costs are in the price sheet's currency (USD).
+`fmt:<format>:`, skips are `skip:<reason>`. Requests that ran other routing than the alias's own
+(a tenant's or the request's `routing` changed it) count the same names behind `o:` (OVERRIDDEN):
+kept apart, since they say nothing about the alias's routing. Costs are in the price sheet's
+currency (USD).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from typing import Any
 
 Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
 CURRENCY = "USD"
-SKIP_REASONS = ("budget", "breaker", "queue", "store", "failed", "unsupported")
+SKIP_REASONS = ("budget", "tenant_share", "breaker", "queue", "store", "failed", "unsupported", "length")
+OVERRIDDEN = "o:"  # the prefix of the counters of requests whose routing was overridden
 
 
 def tenant_prefix(tenant: str) -> str:
@@ -87,33 +91,37 @@ class Figures:
 
 
 def figures_of(counts: Mapping[str, float], prefix: str = "") -> Figures:
-    """The figures held in `counts` under `prefix` ("" for the alias, `tenant_prefix(t)` for a tenant)."""
+    """The figures held in `counts` under `prefix` ("" for the alias, `tenant_prefix(t)` for a tenant,
+    OVERRIDDEN and then a tenant's for overridden requests)."""
     def get(name: str) -> float:
         return counts.get(prefix + name, 0.0)
 
     skipped = {reason: int(get(f"skip:{reason}")) for reason in SKIP_REASONS if get(f"skip:{reason}")}
     formats: dict[str, tuple[int, int]] = {}
-    if not prefix:
-        for key, value in counts.items():
-            if key.startswith("fmt:") and key.endswith(":samples"):
-                fmt = key[4:-8]
-                formats[fmt] = (int(value), int(counts.get(f"{format_prefix(fmt)}agreed", 0)))
+    start = prefix + "fmt:"
+    for key, value in counts.items():
+        if key.startswith(start) and key.endswith(":samples"):
+            fmt = key[len(start):-8]
+            formats[fmt] = (int(value), int(get(f"{format_prefix(fmt)}agreed")))
     return Figures(int(get("eligible")), int(get("sampled")), int(get("samples")), int(get("agreed")),
                    get("routed_cost"), get("upstream_cost"), skipped, formats)
 
 
-def tenants_in(counts: Mapping[str, float]) -> list[str]:
-    """The tenants that have counters in `counts`, sorted."""
-    return sorted({key.split(":", 2)[1] for key in counts if key.startswith("t:")})
+def tenants_in(counts: Mapping[str, float], prefix: str = "") -> list[str]:
+    """The tenants that have counters in `counts` under `prefix` ("" or OVERRIDDEN), sorted."""
+    start = prefix + "t:"
+    return sorted({key[len(start):].split(":", 1)[0] for key in counts if key.startswith(start)})
 
 
-def sample_counts(tenant: str, fmt: str, agreed: bool, routed_cost: float, upstream_cost: float) -> dict[str, float]:
-    """The counters one compared sample adds: to the alias, to its tenant, to its answer format."""
+def sample_counts(tenant: str, fmt: str, agreed: bool, routed_cost: float, upstream_cost: float,
+                  prefix: str = "") -> dict[str, float]:
+    """The counters one compared sample adds: to the alias, to its tenant, to its answer format
+    (all under `prefix`: OVERRIDDEN for a request whose routing was overridden)."""
     one = {"samples": 1.0, "agreed": float(agreed), "routed_cost": routed_cost, "upstream_cost": upstream_cost}
     counts = dict(one)
     counts.update({tenant_prefix(tenant) + key: value for key, value in one.items()})
     counts.update({format_prefix(fmt) + "samples": 1.0, format_prefix(fmt) + "agreed": float(agreed)})
-    return counts
+    return {prefix + key: value for key, value in counts.items()}
 
 
 def timeline(buckets: Iterable[tuple[int, Mapping[str, float]]]) -> list[dict[str, Any]]:

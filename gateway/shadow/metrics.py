@@ -16,13 +16,17 @@ from gateway.shadow.figures import figures_of, tenant_prefix, tenants_in
 from gateway.shadow.service import Shadow
 
 COUNTERS = {  # event -> (family, help, label names after alias)
-    "eligible": ("gateway_shadow_eligible", "Token-level answers on shadowed aliases that could be sampled.", []),
+    "eligible": ("gateway_shadow_eligible", "Token-level answers on shadowed aliases that could be sampled (of "
+                 "requests that ran the alias's own routing, as the series below but skipped).", []),
     "sampled": ("gateway_shadow_sampled", "Answers drawn for a shadow answer by the rate.", []),
     "samples": ("gateway_shadow_samples", "Shadow answers compared, by outcome (agree, disagree).", ["outcome"]),
+    "overridden_samples": ("gateway_shadow_overridden_samples", "Shadow answers compared of requests whose tenant's "
+                           "or own routing changed the alias's (kept apart from the other series and never fed to "
+                           "a knob), by outcome.", ["outcome"]),
     "tenant_samples": ("gateway_shadow_tenant_samples", "Shadow answers compared, by tenant and outcome (only "
                        "while tenants are few: shadow.tenant_labels).", ["tenant", "outcome"]),
-    "skipped": ("gateway_shadow_skipped", "Sampled answers not shadowed, by reason (budget, breaker, queue, store, "
-                "failed, unsupported).", ["reason"]),
+    "skipped": ("gateway_shadow_skipped", "Sampled answers not shadowed or not compared, overridden ones included, "
+                "by reason (budget, tenant_share, breaker, queue, store, failed, unsupported, length).", ["reason"]),
     "cost": ("gateway_shadow_cost_usd", "Upstream cost of the compared samples: the routed answers' (routed) and "
              "the shadow calls' (upstream_only).", ["answer"]),
     "moves": ("gateway_shadow_knob_moves", "Moves of a quality target's knob, by direction.", ["direction"]),

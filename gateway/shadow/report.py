@@ -1,5 +1,6 @@
 """GET /admin/quality's body: per alias and tenant, the pooled shadow figures, the knob, a timeline
-of agreement per time bucket, and the operator's shadow spending."""
+of agreement per time bucket, the figures of requests whose routing was overridden (apart), and the
+operator's shadow spending."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-from gateway.shadow.figures import CURRENCY, figures_of, tenant_prefix, tenants_in, timeline
+from gateway.shadow.figures import CURRENCY, OVERRIDDEN, figures_of, tenant_prefix, tenants_in, timeline
 from gateway.shadow.service import Lane, Shadow
 
 MAX_MINUTES = 7 * 24 * 60
@@ -27,7 +28,9 @@ async def quality_report(shadow: Shadow, now: float, alias: str | None = None, m
     return {
         "object": "quality", "currency": CURRENCY, "bucket_s": settings.bucket_s, "aliases": entries,
         "operator": {"tenant": settings.operator,
-                     "windows": [{**asdict(w), "limits": budgets[w.period].model_dump()} for w in windows]},
+                     "windows": [{**asdict(w), "limits": budgets[w.period].model_dump()} for w in windows],
+                     "tenant_share": settings.tenant_share if shadow.tenant_limits is not None else None,
+                     "max_tokens": settings.max_tokens},
         "process": {"queued": shadow.queue.qsize(), "in_flight": shadow.in_flight,
                     "store_writes": shadow.store_calls["write"], "store_reads": shadow.store_calls["read"]},
     }
@@ -41,14 +44,19 @@ async def _alias_entry(shadow: Shadow, lane: Lane, buckets: list[int]) -> dict[s
     if lane.controller is not None:
         knob = {**routing.knob.model_dump(), "value": getattr(lane.steered, routing.knob.field),
                 "configured": getattr(routing, routing.knob.field)}
-    tenants = {}
-    for tenant in tenants_in(totals):
-        body = figures_of(totals, tenant_prefix(tenant)).body()
-        del body["by_format"], body["skipped"]  # kept per alias only
-        tenants[tenant] = body
     return {
         "alias": lane.name, "rate": routing.shadow.rate, "format": routing.shadow.format,
         "quality_target": routing.quality_target, "knob": knob, "figures": figures_of(totals).body(),
-        "tenants": tenants,
+        "tenants": _tenants(totals),
+        "overridden": {"figures": figures_of(totals, OVERRIDDEN).body(), "tenants": _tenants(totals, OVERRIDDEN)},
         "timeline": timeline((bucket * shadow.settings.bucket_s, row) for bucket, row in zip(buckets, rows)),
     }
+
+
+def _tenants(totals: dict[str, float], prefix: str = "") -> dict[str, Any]:
+    tenants = {}
+    for tenant in tenants_in(totals, prefix):
+        body = figures_of(totals, prefix + tenant_prefix(tenant)).body()
+        del body["by_format"], body["skipped"]  # kept per alias only
+        tenants[tenant] = body
+    return tenants

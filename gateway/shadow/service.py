@@ -5,10 +5,17 @@ the background, compares the two answers by format, and pools the counts in the 
 stream's end) and never waits: it draws by the rate, and queues the case if the upstream's breaker
 is closed and the bounded queue has room (else a skip, counted by reason). Workers take cases from
 the queue: each shadow call is reserved and settled on the operator's ledger (a HandoffGate of its
-own, never the client tenant's), asked with the same prompt, sampling and max_tokens as the routed
-answer, and compared; its text is then dropped: only counts reach the Store. An alias with a
-quality target feeds each sample into its knob's pooled window; a full window may move the knob
-(gateway/shadow/controller.py), and `routing_of` hands the moved value to admission.
+own, never the client tenant's) and, within `shadow.tenant_share` of the operator's budget, on a
+ledger of the tenant's shadow spending (`share_ledger`), asked with the same prompt and sampling
+as the routed answer and its max_tokens up to `shadow.max_tokens`, and compared; its text is then
+dropped: only counts reach the Store.
+
+An alias with a quality target feeds each sample into its knob's pooled window; a full window may
+move the knob (gateway/shadow/controller.py), and `routing_of` hands the moved value to admission.
+The knob learns only from traffic it governs: a request whose tenant's or own `routing` changed
+the alias's (cases.changes_routing) is counted apart (figures.OVERRIDDEN) and never fed to it; and
+where two or more tenants can feed it, one tenant fills at most half of each window
+(`_within_share`), so no tenant moves it alone.
 """
 
 from __future__ import annotations
@@ -16,19 +23,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from adapters.store import Limits, StoreUnavailable
+from adapters.store import Limits, Reservation, StoreUnavailable
 from adapters.upstream import Continuation, Continuations, UpstreamUnavailable
 from gateway.settings import OperatorShadowSettings, RoutingSettings
-from gateway.shadow.cases import ShadowCase, cut_at_stop
+from gateway.shadow.cases import ShadowCase, changes_routing, cut_at_stop, set_fields
 from gateway.shadow.controller import KnobController
-from gateway.shadow.figures import sample_counts, tenant_prefix
+from gateway.shadow.figures import OVERRIDDEN, sample_counts, tenant_prefix
 from gateway.tenancy.budget import RESERVATION_MARGIN_S, HandoffGate, Ledger, billed
 from policies.agreement import answer_format, same_answer
 
@@ -46,6 +54,11 @@ class Lane:
     knob: str = ""  # the knob's name in the Store
     start: float = 0.0  # the knob's value until first moved
     steered: RoutingSettings | None = None  # `routing` with the knob's current value
+    tenant_cap: int | None = None  # most samples one tenant puts in a knob window; None: one tenant feeds it
+
+    def governs(self, case: ShadowCase) -> bool:
+        """Whether `case` ran the alias's own routing (its sample may feed the knob and the figures)."""
+        return not changes_routing(self.routing, case.overrides)
 
     def steer(self, value: float) -> float:
         """Take the knob's value; returns the value it had before."""
@@ -64,6 +77,8 @@ class Shadow:
         self.settings, self.lanes, self.ledger = settings, dict(lanes), ledger
         self.limits = Limits(settings.daily.upstream_tokens, settings.daily.upstream_cost_usd,
                              settings.monthly.upstream_tokens, settings.monthly.upstream_cost_usd)
+        # one tenant's bound; None: none (with one tenant, its share would only idle the rest of the budget)
+        self.tenant_limits = tenant_share_limits(self.limits, settings.tenant_share) if tenant_count > 1 else None
         self.tenant_labels = 0 < tenant_count <= settings.tenant_labels  # tenant ids become metric labels
         self.queue: asyncio.Queue[tuple[Lane, ShadowCase]] = asyncio.Queue(settings.queue)
         self.rng = rng or random.Random()
@@ -82,7 +97,7 @@ class Shadow:
         for name, alias in aliases.items():
             routing = alias.settings.routing
             if routing.shadow is not None and alias.upstream is not None:
-                lanes[name] = _lane(name, alias.upstream, routing)
+                lanes[name] = _lane(name, alias.upstream, routing, feeders(settings.tenants, name, routing))
         if not lanes:
             return None
         return cls(settings.shadow, lanes, ledger, len(settings.tenants), rng)
@@ -100,17 +115,17 @@ class Shadow:
         rate = lane.routing.shadow.rate if case.tenant_rate is None else case.tenant_rate
         if rate <= 0:
             return  # the tenant is off: not even eligible
-        self._note(lane, case.tenant, "eligible")
+        self._note(lane, case, "eligible")
         if self.rng.random() >= rate:
             return
-        self._note(lane, case.tenant, "sampled")
+        self._note(lane, case, "sampled")
         if not lane.upstream.available:
-            self._skip(lane, "breaker")
+            self._skip(lane, "breaker", case)
             return
         try:
             self.queue.put_nowait((lane, case))
         except asyncio.QueueFull:
-            self._skip(lane, "queue")
+            self._skip(lane, "queue", case)
 
     def tasks(self) -> list[Any]:
         """The coroutines to run for the service's life: the workers and the refresher."""
@@ -154,67 +169,102 @@ class Shadow:
         """Ask, compare and count one case; None when it was skipped (counted by reason)."""
         upstream = lane.upstream
         if not upstream.available:
-            return self._skip(lane, "breaker")
+            return self._skip(lane, "breaker", case)
         handoff = upstream.text_handoff(case.prompt, case.scope) if case.prompt is not None else \
             upstream.handoff(case.messages, case.continue_final, case.scope)
         if handoff is None:  # raw text, and an upstream that continues chats only
-            return self._skip(lane, "unsupported")
+            return self._skip(lane, "unsupported", case)
         handoff = upstream.with_answer(handoff, "")
-        gate = HandoffGate(self.ledger, self.settings.operator, self.limits, allowed=True)
+        max_tokens = min(case.max_tokens, self.settings.max_tokens)
         prompt = upstream.estimate_prompt_tokens(handoff)
-        reservation = await gate.reserve(prompt + case.max_tokens, upstream.estimate_cost(prompt, case.max_tokens),
-                                         ttl_s=upstream.worst_case_s + RESERVATION_MARGIN_S)
-        if reservation is None:
-            return self._skip(lane, "budget" if gate.refusal == "budget_exhausted" else "store")
+        spend = await self._reserve(case.tenant, prompt + max_tokens, upstream.estimate_cost(prompt, max_tokens),
+                                    upstream.worst_case_s + RESERVATION_MARGIN_S)
+        if isinstance(spend, str):
+            return self._skip(lane, spend, case)
         greedy = lane.routing.shadow.sampling == "greedy"
         call = asyncio.ensure_future(upstream.continue_text(
-            handoff, case.max_tokens, 0.0 if greedy else case.temperature, 1.0 if greedy else case.top_p,
+            handoff, max_tokens, 0.0 if greedy else case.temperature, 1.0 if greedy else case.top_p,
             None if greedy else case.seed, case.extra))
         try:
             got: Continuation = await asyncio.shield(call)
         except UpstreamUnavailable as exc:
-            await gate.release(reservation)
+            await spend.release()
             log.info("shadow call of alias %s failed: %s", lane.name, exc)
-            return self._skip(lane, "failed")
+            return self._skip(lane, "failed", case)
         except BaseException:  # shut down mid-call: the upstream bills it all the same
-            gate.finish_in_background(reservation, call, lambda done: gate.settle(reservation, billed(done)))
+            spend.finish_in_background(call)
             raise
-        await gate.settle(reservation, billed(got))
-        return await self._compare(lane, case, cut_at_stop(got.text, case.stop), got.cost_usd)
+        await spend.settle(got)
+        direct = cut_at_stop(got.text, case.stop)
+        if max_tokens < case.max_tokens and not got.finished and direct == got.text:
+            return self._skip(lane, "length", case)  # cut by shadow.max_tokens, not the routed answer's own limit
+        return await self._compare(lane, case, direct, got.cost_usd)
+
+    async def _reserve(self, tenant: str, tokens: int, cost_usd: float, ttl_s: float) -> Spend | str:
+        """Hold one shadow call on the tenant's share (if bounded), then on the operator's budget;
+        the skip reason if either refuses (and nothing held)."""
+        gates = [HandoffGate(self.ledger, self.settings.operator, self.limits, allowed=True)]
+        if self.tenant_limits is not None:
+            gates.insert(0, HandoffGate(self.ledger, share_ledger(self.settings.operator, tenant), self.tenant_limits,
+                                        allowed=True))
+        spend = Spend()
+        for gate in gates:
+            reservation = await gate.reserve(tokens, cost_usd, ttl_s=ttl_s)
+            if reservation is None:
+                await spend.release()
+                if gate.refusal != "budget_exhausted":
+                    return "store"
+                return "budget" if gate.tenant == self.settings.operator else "tenant_share"
+            spend.held.append((gate, reservation))
+        return spend
 
     async def _compare(self, lane: Lane, case: ShadowCase, direct: str, direct_cost: float) -> bool:
         fmt = lane.routing.shadow.format
         fmt = answer_format(direct) if fmt == "auto" else fmt
         agreed = same_answer(direct, case.answer, fmt)  # read in the upstream's answer's format: the reference
-        self.counts["samples", lane.name, "agree" if agreed else "disagree"] += 1
+        outcome = "agree" if agreed else "disagree"
+        if not lane.governs(case):
+            self.counts["overridden_samples", lane.name, outcome] += 1
+            counts = sample_counts(case.tenant, fmt, agreed, case.routed_cost, direct_cost, OVERRIDDEN)
+            await self._write(lane, counts, sampled=case)
+            return agreed
+        self.counts["samples", lane.name, outcome] += 1
         if self.tenant_labels:
-            self.counts["tenant_samples", lane.name, case.tenant, "agree" if agreed else "disagree"] += 1
+            self.counts["tenant_samples", lane.name, case.tenant, outcome] += 1
         self.counts["cost", lane.name, "routed"] += case.routed_cost
         self.counts["cost", lane.name, "upstream_only"] += direct_cost
-        await self._write(lane, sample_counts(case.tenant, fmt, agreed, case.routed_cost, direct_cost), agreed)
+        in_bucket = {"samples": 1.0, "agreed": float(agreed)}
+        await self._write(lane, sample_counts(case.tenant, fmt, agreed, case.routed_cost, direct_cost), in_bucket,
+                          case)
         if lane.controller is not None:
-            await self._steer(lane, agreed)
+            await self._steer(lane, case.tenant, agreed)
         return agreed
 
-    async def _write(self, lane: Lane, counts: Mapping[str, float], agreed: bool | None = None) -> None:
-        """Add `counts` and the pending ones to the store; pending ones that fail wait for the next write."""
+    async def _write(self, lane: Lane, counts: Mapping[str, float], in_bucket: Mapping[str, float] | None = None,
+                     sampled: ShadowCase | None = None) -> None:
+        """Add `counts` (and `in_bucket` to the timeline's bucket) and the pending ones to the store;
+        pending ones that fail wait for the next write, and the sample of `sampled` is a skip."""
         pending, self._pending[lane.name] = self._pending[lane.name], Counter()
         pending.update(counts)
         bucket = int(time.time() // self.settings.bucket_s)
-        in_bucket = {"samples": 1.0, "agreed": float(agreed)} if agreed is not None else None
         self.store_calls["write"] += 1
         try:
             await self.ledger.store.quality_add(lane.name, pending, bucket, in_bucket, self.settings.history_s)
         except StoreUnavailable:
             self._pending[lane.name].update(pending)  # a lost reply may count these twice: figures, not money
-            if agreed is not None:
-                self._skip(lane, "store")
+            if sampled is not None:
+                self._skip(lane, "store", sampled)
 
-    async def _steer(self, lane: Lane, agreed: bool) -> None:
+    async def _steer(self, lane: Lane, tenant: str, agreed: bool) -> None:
         controller, store = lane.controller, self.ledger.store
         try:
+            if not await self._within_share(lane, tenant):
+                return
             self.store_calls["write"] += 1
             window = await store.knob_window(lane.knob, agreed, controller.knob.window)
+            if window and lane.tenant_cap is not None:
+                self.store_calls["write"] += 1
+                await store.knob_move(lane.knob + WINDOWS, 0.0, 1.0, 0.0, float(2**52))  # a new window begins
             delta = controller.delta(window[1], window[0]) if window else 0.0
             if not delta:
                 return
@@ -232,16 +282,89 @@ class Shadow:
                  extra={"alias": lane.name, "knob": controller.knob.field, "before": before, "after": after,
                         "window_samples": window[0], "window_agreed": window[1], "target": controller.target})
 
-    def _note(self, lane: Lane, tenant: str, name: str) -> None:
-        self.counts[name, lane.name] += 1
-        self._pending[lane.name].update({name: 1, tenant_prefix(tenant) + name: 1})
+    async def _within_share(self, lane: Lane, tenant: str) -> bool:
+        """Whether `tenant` may put one more sample into the knob's current window: at most
+        `lane.tenant_cap` of each (half, rounded up), so a window needs samples of two tenants or
+        more and no tenant moves the knob alone; a tenant's samples past it still count in the
+        figures. Pooled over replicas with the store's knob calls: `WINDOWS` counts the knob's full
+        windows, and each tenant's count is one knob value, `windows * (cap + 1) + count`, moved up
+        by one within this window's bounds: a count left from an earlier window lies below them and
+        starts again at 1, and a tenant at the cap does not move."""
+        if lane.tenant_cap is None:
+            return True
+        store = self.ledger.store
+        self.store_calls["read"] += 1
+        base = (await store.knob_read(lane.knob + WINDOWS) or 0.0) * (lane.tenant_cap + 1)
+        self.store_calls["write"] += 1
+        before, after = await store.knob_move(f"{lane.knob}:t:{tenant}", base, 1.0, base + 1, base + lane.tenant_cap)
+        return after > before
 
-    def _skip(self, lane: Lane, reason: str) -> None:
+    def _note(self, lane: Lane, case: ShadowCase, name: str) -> None:
+        prefix = "" if lane.governs(case) else OVERRIDDEN
+        if not prefix:
+            self.counts[name, lane.name] += 1
+        self._pending[lane.name].update({prefix + name: 1, prefix + tenant_prefix(case.tenant) + name: 1})
+
+    def _skip(self, lane: Lane, reason: str, case: ShadowCase) -> None:
         self.counts["skipped", lane.name, reason] += 1
-        self._pending[lane.name][f"skip:{reason}"] += 1
+        prefix = "" if lane.governs(case) else OVERRIDDEN
+        self._pending[lane.name][f"{prefix}skip:{reason}"] += 1
 
 
-def _lane(name: str, upstream: Continuations, routing: RoutingSettings) -> Lane:
+WINDOWS = ":windows"  # after a knob's name: the store's count of its full windows (see `_within_share`)
+
+
+@dataclass
+class Spend:
+    """One shadow call's reservations (the tenant's share, the operator's), settled or released together."""
+
+    held: list[tuple[HandoffGate, Reservation]] = field(default_factory=list)
+
+    async def settle(self, got: Continuation) -> None:
+        for gate, reservation in self.held:
+            await gate.settle(reservation, billed(got))
+
+    async def release(self) -> None:
+        for gate, reservation in self.held:
+            await gate.release(reservation)
+
+    def finish_in_background(self, call: asyncio.Future) -> None:
+        """Shut down mid-call: each ledger bills what the call reports once it ends (see HandoffGate)."""
+        for gate, reservation in self.held:
+            gate.finish_in_background(reservation, call, lambda done, g=gate, r=reservation: g.settle(r, billed(done)))
+
+
+def share_ledger(operator: str, tenant: str) -> str:
+    """The ledger id of one tenant's shadow spending: never a client tenant's own (tenant ids hold no ':')."""
+    return f"{operator}:{tenant}"
+
+
+def tenant_share_limits(limits: Limits, share: float) -> Limits | None:
+    """`share` of the operator's `limits`, one tenant's bound; None when there is none to share (an
+    unlimited operator, or a share of 1)."""
+    if limits.unlimited or share >= 1:
+        return None
+
+    def tokens(limit: int | None) -> int | None:
+        return None if limit is None else int(limit * share)
+
+    def cost(limit: float | None) -> float | None:
+        return None if limit is None else limit * share
+
+    return Limits(tokens(limits.day_tokens), cost(limits.day_cost_usd), tokens(limits.month_tokens),
+                  cost(limits.month_cost_usd))
+
+
+def feeders(tenants: Iterable[Any], alias: str, routing: RoutingSettings) -> int:
+    """How many tenants' samples can feed the alias's knob: those that may use it, whose data may
+    leave (allow_upstream), whose shadow is not off, and whose own `routing` leaves the alias's as it is."""
+    return sum(1 for tenant in tenants
+               if (tenant.aliases is None or alias in tenant.aliases) and tenant.allow_upstream
+               and (tenant.shadow is None or tenant.shadow.rate > 0)
+               and not changes_routing(routing, [set_fields(tenant.routing)]))
+
+
+def _lane(name: str, upstream: Continuations, routing: RoutingSettings, feeding: int = 1) -> Lane:
     lane = Lane(name, upstream, routing)
     if routing.quality_target is None:
         return lane
@@ -250,5 +373,7 @@ def _lane(name: str, upstream: Continuations, routing: RoutingSettings) -> Lane:
     lane.knob = lane.controller.key(name, routing.policy, configured)
     lane.start = lane.controller.initial(configured)
     lane.steer(lane.start)
+    if feeding > 1:  # a knob one tenant alone feeds is that tenant's: no share to keep
+        lane.tenant_cap = math.ceil(routing.knob.window / 2)
     return lane
 
