@@ -73,7 +73,7 @@ COPY --from=build /app/adapters /app/adapters
 COPY --from=build /app/policies /app/policies
 COPY --from=build /app/routers /app/routers
 COPY --from=build /app/config.yaml /etc/routing-gateway/config.yaml
-# Every settings key can also be set with GATEWAY_<SECTION>__<KEY> (gateway/settings.py); the
+# Every settings key can also be set with GATEWAY_<SECTION>__<KEY> (gateway/settings/); the
 # environment wins over the file. Mount your own config.yaml over /etc/routing-gateway/config.yaml.
 ENV PATH=/app/.venv/bin:$PATH \
     PYTHONPATH=/app \

@@ -1,5 +1,5 @@
 """The settings of upstream models and of the servers the gateway launches for them: one branch of
-the gateway's settings tree (gateway/settings.py loads the whole tree), defined here so that the
+the gateway's settings tree (gateway/settings/ loads the whole tree), defined here so that the
 adapters that use them import nothing from the gateway."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from adapters.memory_store import MemoryStore
 from gateway.settings import RoutingOverride, RoutingSettings, Settings, SettingsError, load_settings
 from gateway.shadow.cases import ShadowCase, case_of, changes_routing, cut_at_stop
-from gateway.shadow.config import KnobSettings, OperatorShadowSettings, TenantShadow
+from gateway.settings.shadow import KnobSettings, OperatorShadowSettings, TenantShadow
 from gateway.shadow.controller import KnobController
 from gateway.shadow.figures import OVERRIDDEN, figures_of, wilson
 from gateway.shadow.metrics import ShadowCollector

@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from gateway.shadow.config import KnobSettings
+from gateway.settings.shadow import KnobSettings
 
 
 @dataclass(frozen=True)

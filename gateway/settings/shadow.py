@@ -1,7 +1,6 @@
 """The shadow branch of the settings tree: an alias's `routing.shadow`, `routing.quality_target` and
 `routing.knob`, a tenant's `shadow` override, and the top-level `shadow` section (the operator's
-budget, the queue, the timeline). gateway/settings.py loads them with the rest of the tree; this
-module imports nothing from the gateway, so the settings can import it.
+budget, the queue, the timeline), loaded with the rest of the tree (gateway/settings/__init__.py).
 """
 
 from __future__ import annotations

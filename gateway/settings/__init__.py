@@ -20,7 +20,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 # from the gateway); it is loaded here with the rest.
 from adapters.upstream_settings import LaunchSettings, UpstreamMode, UpstreamSettings  # noqa: F401
 from gateway.presets import Preset, expanded
-from gateway.shadow.config import KnobSettings, OperatorShadowSettings, ShadowSettings, TenantShadow, quality_problem
+from gateway.settings.shadow import KnobSettings, OperatorShadowSettings, ShadowSettings, TenantShadow, quality_problem
 from policies.agreement import AnswerFormat, KeptAnswer
 from policies.registry import POLICIES
 
