@@ -350,7 +350,7 @@ def gateway_app(**server):
     async def start(settings):
         async def close():
             pass
-        return SimpleNamespace(settings=settings, aliases={}, local_models={}, close=close, tenants=SimpleNamespace(
+        return SimpleNamespace(settings=settings, aliases={}, local_models={}, shadow=None, close=close, tenants=SimpleNamespace(
             authenticate=lambda key: SimpleNamespace(id="t"), is_admin=lambda key: False))
 
     config = gateway_config(None)

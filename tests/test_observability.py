@@ -46,7 +46,7 @@ def fake_app():
     async def start(_settings):
         async def close():
             pass
-        return SimpleNamespace(aliases={}, local_models={}, closed=False, close=close,
+        return SimpleNamespace(aliases={}, local_models={}, shadow=None, closed=False, close=close,
                                tenants=SimpleNamespace(authenticate=lambda _key: None,
                                                        is_admin=lambda key: key == ADMIN_KEY))
 

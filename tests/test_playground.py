@@ -44,7 +44,7 @@ def app_without_models(**server):
     async def start(_settings):
         async def close():
             pass
-        return SimpleNamespace(aliases={}, local_models={}, close=close)
+        return SimpleNamespace(aliases={}, local_models={}, shadow=None, close=close)
 
     config = gateway_config(None)
     config["server"].update(server)

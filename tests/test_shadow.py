@@ -393,7 +393,7 @@ def test_models_show_a_tenant_only_the_routing_it_can_set():
             pass
         alias = SimpleNamespace(settings=settings.aliases["routed"], upstream=None)
         tenant = SimpleNamespace(id="demo", may_use=lambda name: True)
-        return SimpleNamespace(aliases={"routed": alias}, local_models={}, closed=False, close=close,
+        return SimpleNamespace(aliases={"routed": alias}, local_models={}, shadow=None, closed=False, close=close,
                                tenants=SimpleNamespace(authenticate=lambda key: tenant if key == "sk-t" else None,
                                                        is_admin=lambda key: False))
 

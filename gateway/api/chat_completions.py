@@ -123,14 +123,13 @@ async def finish(runtime: Runtime, started: Started) -> None:
 async def offer_shadow(runtime: Runtime, started: Started) -> None:
     """Offer a finished token-level answer for a shadow answer (gateway/shadow). Called only once
     the client has the whole answer; it never waits for the shadow call."""
-    shadow = getattr(runtime, "shadow", None)  # a runtime without one (a test's) shadows nothing
-    if shadow is not None and isinstance(started, Admitted):
-        shadow.offer(case_of(started))
+    if runtime.shadow is not None and isinstance(started, Admitted):
+        runtime.shadow.offer(case_of(started))
 
 
 def shadow_task(runtime: Runtime, started: Started) -> BackgroundTask | None:
     """`offer_shadow` as a JSON response's background task: it runs after the body is sent."""
-    return BackgroundTask(offer_shadow, runtime, started) if getattr(runtime, "shadow", None) else None
+    return BackgroundTask(offer_shadow, runtime, started) if runtime.shadow is not None else None
 
 
 async def finish_stream(runtime: Runtime, started: Started) -> None:

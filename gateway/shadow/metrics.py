@@ -1,4 +1,4 @@
-"""The shadow service's Prometheus series, read at scrape time (gateway/observability.py registers
+"""The shadow service's Prometheus series, read at scrape time (gateway/observability/registry.py registers
 the collector). Counters are this process's events (Prometheus sums replicas); the gauges of
 agreement, its interval, savings and the share sampled are the figures pooled over every replica
 in the Store, as this process last read them. Labels: `alias`, and `tenant` only while the gateway
