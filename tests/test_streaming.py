@@ -7,7 +7,8 @@ import json
 from types import SimpleNamespace
 
 from gateway.admission.chat import Admitted
-from gateway.api.chat_completions import open_chunks, sse_stream
+from gateway.api.chat_completions import sse_stream
+from gateway.api.started import Decoded
 from gateway.api.responses_api import _events
 from gateway.decoding.decoder import Piece
 from gateway.responses.output import ResponseDraft
@@ -26,9 +27,13 @@ class BrokenDecoding:
         raise RuntimeError("llama.cpp exploded")
 
 
+NO_SHADOW = SimpleNamespace(shadow=None)  # a runtime that shadows nothing
+
+
 async def sse_data(admitted: Admitted) -> list[str]:
-    chunks = await open_chunks(SimpleNamespace(), admitted)
-    return [event["data"] async for event in sse_stream(SimpleNamespace(), admitted, chunks)]
+    answer = Decoded(admitted)
+    chunks = await answer.open_chunks()
+    return [event["data"] async for event in sse_stream(NO_SHADOW, answer, chunks)]
 
 
 async def test_error_after_the_stream_started_is_one_error_event():
@@ -58,8 +63,9 @@ async def test_responses_stream_error_is_an_error_event_and_nothing_completes():
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
     admitted = Admitted("chatcmpl-z", 0, None, None, body, [BrokenDecoding()], None, released=True)
     draft = ResponseDraft(ResponsesRequest(model="m", input="hi", stream=True))
-    chunks = await open_chunks(SimpleNamespace(), admitted)
-    events = [json.loads(e["data"]) async for e in _events(SimpleNamespace(), None, admitted, chunks, draft, [])]
+    answer = Decoded(admitted)
+    chunks = await answer.open_chunks()
+    events = [json.loads(e["data"]) async for e in _events(NO_SHADOW, None, answer, chunks, draft, [])]
     kinds = [e["type"] for e in events]
     assert kinds == ["response.created", "response.in_progress", "error"]  # never response.completed
     assert events[-1]["code"] is None and "exploded" not in events[-1]["message"]

@@ -13,15 +13,9 @@ from fastapi.responses import JSONResponse
 from gateway import observability
 from gateway.admission.chat import Admitted, Prompts, alias_for, start
 from gateway.api.chat_bodies import usage_of
-from gateway.api.chat_completions import (
-    collected,
-    event_stream,
-    parse_body,
-    shadow_task,
-    sse_stream,
-    summary_headers,
-)
+from gateway.api.chat_completions import event_stream, parse_body, shadow_task, sse_stream
 from gateway.api.routes import authenticate, runtime_of
+from gateway.api.started import Decoded
 from gateway.decoding.decoder import Piece, TokenLogprob
 from gateway.runtime import Alias
 from gateway.wire.errors import InvalidRequest
@@ -40,13 +34,14 @@ async def completions(request: Request):
     alias = alias_for(runtime, tenant, body.model)
     texts = tuple(prompt_text(alias, prompt, i) for i, prompt in enumerate(body.prompts_raw))
     admitted = await start(runtime, tenant, alias, body, Prompts(texts=texts))
+    answer = Decoded(admitted)
     if body.stream:
-        return event_stream(runtime, admitted, sse_stream(runtime, admitted, _chunks(admitted, texts)))
-    pieces = await collected(request, runtime, admitted)
+        return event_stream(runtime, answer, sse_stream(runtime, answer, _chunks(admitted, texts)))
+    pieces = await answer.collected(request)
     choices = [_choice(admitted, i, texts, chosen, decoding.finish_reason)
                for i, (decoding, chosen) in enumerate(zip(admitted.decodings, pieces))]
-    return JSONResponse(_body(admitted, choices, usage_of(admitted)), headers=summary_headers(admitted),
-                        background=shadow_task(runtime, admitted))
+    return JSONResponse(_body(admitted, choices, usage_of(admitted)), headers=answer.headers(),
+                        background=shadow_task(runtime, answer))
 
 
 def prompt_text(alias: Alias, prompt: str | list[int], index: int) -> str:

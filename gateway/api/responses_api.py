@@ -15,17 +15,9 @@ from fastapi.responses import JSONResponse
 from adapters.store import ResponseQuota
 from gateway import observability
 from gateway.admission.chat import admit
-from gateway.api.chat_completions import (
-    Started,
-    event_stream,
-    finish_stream,
-    open_chunks,
-    parse_body,
-    shadow_task,
-    summary_headers,
-    whole_answer,
-)
+from gateway.api.chat_completions import event_stream, finish_stream, parse_body, shadow_task
 from gateway.api.routes import authenticate, runtime_of
+from gateway.api.started import StartedAnswer, answer_of
 from gateway.responses.events import ResponseEvents
 from gateway.responses.output import ResponseDraft, conversation_messages, response_of
 from gateway.responses.request import ResponsesRequest, chat_request, input_messages
@@ -55,14 +47,14 @@ async def create_response(request: Request):
         previous = await stored_responses(runtime).get(tenant.id, body.previous_response_id, "previous_response_id")
         turns = previous["conversation"]
     turns = turns + input_messages(body.input)
-    started = await admit(runtime, tenant, chat_request(body, turns))
+    answer = answer_of(await admit(runtime, tenant, chat_request(body, turns)))
     draft = ResponseDraft(body)
     if body.stream:
-        chunks = await open_chunks(runtime, started)
-        return event_stream(runtime, started, _events(runtime, tenant, started, chunks, draft, turns))
-    response = response_of(draft, await whole_answer(request, runtime, started))
+        chunks = await answer.open_chunks()
+        return event_stream(runtime, answer, _events(runtime, tenant, answer, chunks, draft, turns))
+    response = response_of(draft, await answer.whole(request))
     await _keep(runtime, tenant, response, turns)
-    return JSONResponse(response, headers=summary_headers(started), background=shadow_task(runtime, started))
+    return JSONResponse(response, headers=answer.headers(), background=shadow_task(runtime, answer))
 
 
 @router.get("/v1/responses/{response_id}")
@@ -84,7 +76,7 @@ async def _keep(runtime: Runtime, tenant: Tenant, response: dict[str, Any], turn
         await stored_responses(runtime).put(tenant.id, response, turns + conversation_messages(response["output"]))
 
 
-async def _events(runtime: Runtime, tenant: Tenant, started: Started, chunks: AsyncIterator[dict],
+async def _events(runtime: Runtime, tenant: Tenant, answer: StartedAnswer, chunks: AsyncIterator[dict],
                   draft: ResponseDraft, turns: list[dict[str, Any]]):
     """The Responses event stream of a started request's chunks; an error after the stream started
     is one `error` event. The response is stored before response.completed goes out, so a client
@@ -107,7 +99,7 @@ async def _events(runtime: Runtime, tenant: Tenant, started: Started, chunks: As
         yield _sse(events.error(GatewayError("internal error while answering; the gateway logged the details").body()))
     finally:
         await asyncio.shield(chunks.aclose())  # a client that left: stop decoding and upstream spending now
-        await asyncio.shield(finish_stream(runtime, started))
+        await asyncio.shield(finish_stream(runtime, answer))
 
 
 def _sse(event: dict[str, Any]) -> dict[str, str]:
