@@ -13,10 +13,17 @@ changes) refers to them instead of copying them: borrowed.json maps the file nam
 holds it, pinned to the bytes it had then (their length and sha256), so that run growing later
 changes nothing here. Reading a borrowed file reads those bytes; writing to it first makes it the
 run's own file, a copy of them, as a copy made by hand would have been.
+
+A finished run's records may be stored gzipped (`gzip -n <dataset>__<config>.jsonl`, which leaves
+`<dataset>__<config>.jsonl.gz`; results/README.md): every reader here takes the `.jsonl` path and
+reads the `.gz` beside it when the plain file is absent, lending included (borrowed.json pins the
+uncompressed bytes, so packing a run changes nothing that borrows from it). Writing to a packed
+file first unpacks it, so a resumed run goes on appending to a plain file.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
@@ -30,6 +37,7 @@ from eval.datasets import parse_rows
 SEP = "__"
 RUNS_DIR = Path(__file__).resolve().parent.parent / "results" / "runs"  # records apart from the harness
 BORROWED = "borrowed.json"
+PACKED = ".gz"  # a records file stored gzipped: <name>.jsonl.gz stands for <name>.jsonl
 # Flash attention changes which greedy near-ties flip (texts, not accuracy: measured on GSM8K), so
 # runs decode as the recorded ones were, with it off, though the gateway serves with it on.
 RECORDED_FLASH_ATTN = False
@@ -86,8 +94,26 @@ def _lines(path: Path) -> Iterator[str]:
     if path.exists():
         with path.open(encoding="utf-8") as handle:
             yield from handle
+    elif packed(path).exists():
+        with gzip.open(packed(path), "rt", encoding="utf-8") as handle:
+            yield from handle
     elif path.name in borrowed(path.parent):
         yield from io.TextIOWrapper(io.BytesIO(borrowed_bytes(path)), encoding="utf-8")
+
+
+def packed(path: Path) -> Path:
+    """Where `path`'s records are when the run is stored gzipped."""
+    return path.with_name(path.name + PACKED)
+
+
+def _held(path: Path) -> bool:
+    """Whether the run holds `path` itself, plain or gzipped (not borrowed)."""
+    return path.exists() or packed(path).exists()
+
+
+def _held_bytes(path: Path) -> bytes:
+    """The bytes of a file the run holds itself, unpacked if it is stored gzipped."""
+    return path.read_bytes() if path.exists() else gzip.decompress(packed(path).read_bytes())
 
 
 def borrowed(run_dir: Path) -> dict[str, dict[str, Any]]:
@@ -100,9 +126,9 @@ def borrowed_bytes(path: Path) -> bytes:
     """The bytes a borrowed `path` refers to; ValueError if the run holding them has changed them."""
     entry = borrowed(path.parent)[path.name]
     source = path.parent.parent / entry["run"] / path.name
-    if not source.exists() and path.name not in borrowed(source.parent):
+    if not _held(source) and path.name not in borrowed(source.parent):
         raise FileNotFoundError(f"{path} borrows {source}, which does not exist")
-    data = (source.read_bytes() if source.exists() else borrowed_bytes(source))[:entry["bytes"]]
+    data = (_held_bytes(source) if _held(source) else borrowed_bytes(source))[:entry["bytes"]]
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise ValueError(f"{path} borrows {source}, whose first {entry['bytes']} bytes have changed since")
     return data
@@ -113,13 +139,13 @@ def borrow(run_dir: Path, source_dir: Path, names: Iterable[str]) -> list[str]:
     run already has, as its own or borrowed, is left alone. Returns the names borrowed now."""
     entries, added = borrowed(run_dir), []
     for name in names:
-        if (run_dir / name).exists() or name in entries:
+        if _held(run_dir / name) or name in entries:
             continue
         source = source_dir / name
-        if not source.exists() and name not in borrowed(source_dir):
+        if not _held(source) and name not in borrowed(source_dir):
             raise FileNotFoundError(f"{source} does not exist")
-        data = source.read_bytes() if source.exists() else borrowed_bytes(source)
-        holder = source_dir.name if source.exists() else borrowed(source_dir)[name]["run"]
+        data = _held_bytes(source) if _held(source) else borrowed_bytes(source)
+        holder = source_dir.name if _held(source) else borrowed(source_dir)[name]["run"]
         entries[name] = {"run": holder, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         added.append(name)
     if added:
@@ -128,8 +154,14 @@ def borrow(run_dir: Path, source_dir: Path, names: Iterable[str]) -> list[str]:
 
 
 def _own(path: Path, copy: bool = True) -> None:
-    """Before `path` is written: a borrowed file becomes the run's own, a copy of the bytes it
-    borrows (`copy`), or nothing yet where the write replaces it whole."""
+    """Before `path` is written: a gzipped file is unpacked (`copy`) or dropped, and a borrowed file
+    becomes the run's own, a copy of the bytes it borrows (`copy`), or nothing yet where the write
+    replaces it whole."""
+    if not path.exists() and packed(path).exists():
+        if copy:
+            path.write_bytes(_held_bytes(path))
+        packed(path).unlink()
+        return
     entries = borrowed(path.parent)
     if path.exists() or path.name not in entries:
         return
@@ -185,7 +217,9 @@ def datasets_in(run_dir: Path) -> list[str]:
 
 
 def _records_files(run_dir: Path) -> set[Path]:
+    """The `.jsonl` path of every records file the run holds (plain or gzipped) or borrows."""
     names = {name for name in borrowed(run_dir) if SEP in name and name.endswith(".jsonl")}
+    names |= {path.name.removesuffix(PACKED) for path in run_dir.glob(f"*{SEP}*.jsonl{PACKED}")}
     return {*run_dir.glob(f"*{SEP}*.jsonl"), *(run_dir / name for name in names)}
 
 

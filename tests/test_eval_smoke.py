@@ -8,6 +8,7 @@ then the FS-GEN analysis, calibration, the report table and plot. The first test
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
 import json
 
@@ -243,3 +244,40 @@ async def test_a_shared_system_prompt_is_all_an_answer_finds_cached(smol_path, t
             assert record["upstream_cached_tokens"] == shared and record["upstream_prompt_tokens"] > shared
     finally:
         models.close()
+
+# -- packed (gzipped) run records, as results/runs keeps them --
+
+def test_a_gzipped_run_reads_lends_and_resumes_as_a_plain_one(tmp_path):
+    source, run = tmp_path / "old", tmp_path / "new"
+    path = records_path(source, "gsm8k", "local")
+    for i in range(3):
+        append_record(path, {"id": f"q{i}", "correct": i == 1})
+    plain, before = read_records(path), path.read_bytes()
+    packed = path.with_name(path.name + ".gz")
+    packed.write_bytes(gzip.compress(before, mtime=0))
+    path.unlink()  # as `gzip -n` leaves it
+
+    assert read_records(path) == plain
+    assert list(configs_in(source, "gsm8k")) == ["local"] and datasets_in(source) == ["gsm8k"]
+    assert configs_in(source, "gsm8k")["local"] == path  # the .jsonl path, as for a plain file
+
+    assert borrow(run, source, ["gsm8k__local.jsonl"]) == ["gsm8k__local.jsonl"]
+    assert borrowed(run)["gsm8k__local.jsonl"] == {"run": "old", "bytes": len(before),
+                                                    "sha256": hashlib.sha256(before).hexdigest()}
+    assert read_records(records_path(run, "gsm8k", "local")) == plain
+    assert borrow(source, run, ["gsm8k__local.jsonl"]) == []  # the packed file is the run's own
+
+    append_record(path, {"id": "q3", "correct": True})  # resuming unpacks it, then appends
+    assert path.read_bytes().startswith(before) and not packed.exists()
+    assert [r["id"] for r in read_records(path)] == ["q0", "q1", "q2", "q3"]
+    assert [r["id"] for r in read_records(records_path(run, "gsm8k", "local"))] == ["q0", "q1", "q2"]  # pinned
+
+
+def test_rewriting_a_gzipped_file_replaces_it(tmp_path):
+    path = records_path(tmp_path, "csqa", "upstream")
+    write_records(path, [{"id": "a", "correct": False}])
+    path.with_name(path.name + ".gz").write_bytes(gzip.compress(path.read_bytes()))
+    path.unlink()
+    merge_records(path, [{"id": "b", "correct": True}])
+    assert read_records(path) == [{"id": "a", "correct": False}, {"id": "b", "correct": True}]
+    assert not path.with_name(path.name + ".gz").exists()

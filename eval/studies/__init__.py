@@ -9,6 +9,10 @@
     afresh/        afresh.sh, code_check.sh, early_check.sh, early_rating.py: asking afresh
     mixed/         mixed.sh, mixed_router.py, reliability.py: one router for mixed traffic
     history/       history.sh, history_features.py: routing-history features
+    agreement/     gsm8k.sh, humaneval.sh, ifeval.sh, majority.sh (common.sh): agreement with own samples
+    steering/      make_pairs.py, gsm8k_brevity.sh, gsm8k_answer_line.sh, routed.sh, summarize.py,
+                   gsm8k_summary.py, routed_summary.py: control vectors (docs/steering.md)
+    tuning/        csqa_handoff.sh: python -m gateway tune's token hand-offs (docs/tuning.md)
 
 A recipe is a resumable bash script of `python -m eval` commands (run from anywhere; it changes to
 the repository root); a module is run as `python -m eval.studies.<folder>.<module>`. What each
