@@ -1,13 +1,31 @@
-"""The settings tree: config.yaml, environment overrides, one-line errors."""
+"""The settings tree: config.yaml, environment overrides, one-line errors, and every configuration
+the docs show."""
 
 from __future__ import annotations
 
+import re
+import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
-from gateway.settings import RoutingOverride, RoutingSettings, SettingsError, draft_problem, load_settings
+from gateway.settings import (
+    AliasSettings,
+    ModelsSettings,
+    RoutingOverride,
+    RoutingSettings,
+    ServerSettings,
+    Settings,
+    SettingsError,
+    StoreSettings,
+    TenantSettings,
+    UpstreamSettings,
+    draft_problem,
+    load_settings,
+)
+from gateway.settings.shadow import OperatorShadowSettings
 from gateway.tenancy.tenants import TenantDirectory, key_digest
 from policies import POLICIES
 
@@ -110,3 +128,52 @@ def test_a_draft_needs_what_can_end_it(fields, priced, problem):
     found = draft_problem(routing, priced)
     assert found is None if problem is None else problem in found
     assert draft_problem({**routing, "escalation": "afresh"}, priced) is None
+
+
+# -- every configuration the docs show still loads --
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+SECTIONS = {"server": ServerSettings, "store": StoreSettings, "shadow": OperatorShadowSettings}
+
+
+def yaml_blocks(path: Path) -> list[str]:
+    return re.findall(r"```yaml\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def settings_fragments() -> list[tuple[str, str, dict]]:
+    """(doc, where, value) for each part of the settings tree a doc's YAML block shows."""
+    fragments = []
+    for path in DOCS:
+        for number, block in enumerate(yaml_blocks(path)):
+            data = yaml.safe_load(textwrap.dedent(block))
+            doc = f"{path.relative_to(ROOT)}#{number}"
+            if not isinstance(data, dict) or not set(data) & (set(Settings.model_fields) | {"routing"}):
+                continue  # another tool's configuration (Prometheus, say)
+            fragments += [(doc, key, value) for key, value in data.items()]
+    return fragments
+
+
+@pytest.mark.parametrize(("doc", "key", "value"), settings_fragments(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_settings_fragment_in_the_docs_validates(doc, key, value):
+    if key in SECTIONS:
+        SECTIONS[key].model_validate(value)
+    elif key == "aliases":
+        for entry in value.values():  # an alias shown only for its routing (tune's alias.yaml) has no `local`
+            AliasSettings.model_validate(entry) if "local" in entry else RoutingSettings.model_validate(entry["routing"])
+    elif key == "upstreams":
+        for entry in value.values():
+            UpstreamSettings.model_validate(entry)
+    elif key == "models":
+        ModelsSettings.model_validate(value)
+    elif key == "tenants":
+        for tenant in value:
+            TenantSettings.model_validate(tenant)
+    elif key == "routing":
+        RoutingSettings.model_validate(value)
+    else:
+        assert key == "admin_key_env", f"{doc}: unknown settings section {key!r}"
+
+
+def test_the_docs_show_settings_fragments_of_every_kind():
+    keys = {key for _, key, _ in settings_fragments()}
+    assert {"models", "upstreams", "aliases", "tenants", "shadow", "routing"} <= keys
