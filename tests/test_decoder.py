@@ -63,10 +63,10 @@ def test_a_split_the_local_model_chose_far_back_is_not_undone_by_a_hand_off():
     local = FakeLocalModel(VOCAB, "")
     decoding, _ = make(local, FakeUpstream(""))
     written = ["Par", "is", *[" is"] * 8, " "]  # "Par" + "is": not how the tokenizer would split "Paris"
-    decoding.answer_tokens = [local.vocab.index(t) for t in written]
-    decoding.sources = ["local"] * len(written)
-    decoding.answer_bytes = bytearray("".join(written).encode())
-    first_new, added = decoding._append_text("nice", "upstream")  # " " + "nice" re-merges as " nice"
+    decoding.answer.tokens = [local.vocab.index(t) for t in written]
+    decoding.answer.sources = ["local"] * len(written)
+    decoding.answer.data = bytearray("".join(written).encode())
+    first_new, added = decoding.answer.append_text("nice", "upstream")  # " " + "nice" re-merges as " nice"
     assert [local.vocab[t] for t in decoding.answer_tokens] == [*written[:-1], " nice"]
     assert (first_new, added) == (len(written) - 1, b"nice")
     assert decoding.sources == ["local"] * (len(written) - 1) + ["upstream"]
@@ -607,7 +607,7 @@ async def test_a_guessed_step_the_policy_routes_is_decided_once():
             decided.append(signal.position)
             return policy.decide(signal, state)
 
-    decoding.request = dataclasses.replace(decoding.request, policy=Recording())
+    decoding = Decoding(local, upstream, decoding.gate, dataclasses.replace(decoding.request, policy=Recording()))
     text = "".join(p.text for p in await run(decoding))
     assert text == "Paris is nice." and len(upstream.calls) == 2  # "Paris", then " nice" (guessed, routed)
     assert decided == sorted(set(decided))
@@ -634,7 +634,8 @@ async def test_sampled_requests_do_not_guess():
     local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({0}), lean=1.0)
     upstream = FakeUpstream("Paris is nice.", chars_per_token=5, delay_s=0.2)
     decoding, _ = make(local, upstream, policy="entropy", threshold=1.0)
-    decoding.request = dataclasses.replace(decoding.request, sampling=Sampling(temperature=0.7), seed=1)
+    decoding = Decoding(local, upstream, decoding.gate,
+                        dataclasses.replace(decoding.request, sampling=Sampling(temperature=0.7), seed=1))
     await run(decoding)
     assert decoding.usage.guess_kept_tokens == 0 and len(local.forwards) == len(decoding.answer_tokens) + 1
 

@@ -13,21 +13,31 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
+from gateway.decoding.answer import Answer
 from gateway.decoding.signals import Sampling
-from gateway.decoding.values import DecodeRequest
+from gateway.decoding.values import DecodeRequest, Piece
 from policies import build_policy
 from policies.agreement import AgreementCheck
 
 SEED_STRIDE = 7919  # sample i of a seeded request decodes with seed + i * this: apart from its choices' seeds
 
 
+class SampleDecoding(Protocol):
+    """A local-only decoding of the request's prompt (gateway.decoding.decoder.Decoding)."""
+
+    answer: Answer
+
+    def pieces(self) -> AsyncIterator[Piece]: ...
+
+
 class AgreementSamples:
     """`check.samples - 1` local answers to `request`'s prompt, made by `decoding(request)`."""
 
-    def __init__(self, request: DecodeRequest, check: AgreementCheck, decoding: Callable[[DecodeRequest], Any]) -> None:
+    def __init__(self, request: DecodeRequest, check: AgreementCheck,
+                 decoding: Callable[[DecodeRequest], SampleDecoding]) -> None:
         never = build_policy("never")
         self._decodings = [decoding(dataclasses.replace(
             request, policy=never, sampling=Sampling(check.temperature, request.sampling.top_p),
@@ -37,24 +47,27 @@ class AgreementSamples:
         self._task: asyncio.Future | None = None
 
     def start(self) -> None:
+        """Start decoding them (beside the greedy answer)."""
         self._task = asyncio.ensure_future(
             asyncio.gather(*(self._text(d) for d in self._decodings), return_exceptions=True))
 
     @property
     def finished(self) -> bool:
+        """Whether every sample has finished (or failed)."""
         return self._task is not None and self._task.done()
 
     async def wait(self) -> None:
+        """Until every sample has finished (or failed)."""
         await asyncio.wait([self._task])
 
-    async def answers(self) -> list[tuple[str, Any]]:
-        """The text and decoding of every sampled answer that did not fail, once all have finished."""
-        return [(text, d) for text, d in zip(await self._task, self._decodings) if isinstance(text, str)]
+    async def answers(self) -> list[tuple[str, Answer]]:
+        """The text and answer of every sampled answer that did not fail, once all have finished."""
+        return [(text, d.answer) for text, d in zip(await self._task, self._decodings) if isinstance(text, str)]
 
     @property
     def tokens(self) -> int:
         """Answer tokens the samples decoded (local: they cost no upstream tokens)."""
-        return sum(len(d.answer_tokens) for d in self._decodings)
+        return sum(len(d.answer.tokens) for d in self._decodings)
 
     async def end(self) -> None:
         """Stop samples still decoding (the answer was not rated, or its request ended)."""
@@ -63,5 +76,5 @@ class AgreementSamples:
             await asyncio.gather(self._task, return_exceptions=True)
 
     @staticmethod
-    async def _text(decoding: Any) -> str:
+    async def _text(decoding: SampleDecoding) -> str:
         return "".join([piece.text async for piece in decoding.pieces()])

@@ -83,6 +83,11 @@ class DecodeRequest:
     answer_lengths: RecentValues | None = None
     claim: Claim | None = None  # whose request it is, for the engine's fair share (shared by its choices and samples)
 
+    @property
+    def capped_cost(self) -> bool:
+        """A cost ceiling is set (not only the report): every hand-off is held against it first."""
+        return self.ceiling is not None and self.ceiling.ratio is not None
+
 
 @dataclass(frozen=True)
 class Guess:
