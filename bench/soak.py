@@ -18,7 +18,10 @@ on 2 cores one server batching every replica's hand-offs beats a child per repli
 layout several replicas are deployed in.
 
 The clients send routed chat completions for the whole run, streaming and not, on varied short
-prompts with 16-48 answer tokens; a quarter of the requests are abandoned mid-answer (a stream
+prompts with 16-48 answer tokens, some (`agreement_share`) with an agreement check of their own
+(3 answers each: a routing override, so their shadow answers are kept apart from the alias's); the
+alias shadows a quarter of its answers on the operator's ledger (`shadow`, a daily budget of its own);
+a quarter of the requests are abandoned mid-answer (a stream
 closed after a few chunks, or a 0.3 s read time-out). The load generator is the load balancer:
 requests go to the replicas round-robin, and one whose replica refuses the connection is sent once
 more to the next replica (a fail-over). Faults: at a third of the run the upstream is SIGKILLed
@@ -45,6 +48,8 @@ ended it checks (the targets):
 7. rpm: at most 60 requests of the rpm tenant admitted in any calendar minute, as the store's rate
    keys count them (read every few seconds); client-side 200s per minute are printed beside (a store
    outage admits requests unmetered, by design: such minutes are marked);
+8. shadow: shadow answers were compared (the alias's own, or overridden requests' kept apart), and
+   the operator's shadow tokens pass its daily budget by at most one shadow call per replica;
 
 prints a table, writes a JSON summary with --json, and exits 1 if a check failed. Logs and Redis
 files stay in the printed work directory. tests/test_soak.py runs the one-replica soak for a minute.
@@ -81,6 +86,7 @@ LOCAL_MODEL = "smollm2-135m-instruct"
 ALIAS = "routed"
 OPEN, CAPPED, RPM = "open", "capped", "rpm"
 TENANTS = (OPEN, CAPPED, RPM)
+SHADOW_OPERATOR = "shadow-operator"
 CHAT = "/v1/chat/completions"
 OK, ABANDONED, REFUSED, ERROR, CUT = "ok", "abandoned", "refused", "error", "cut"
 REFUSAL_STATUSES = (429, 503)  # documented: rate limit / quota, local model busy
@@ -109,6 +115,9 @@ class SoakParams:
     rpm_sends_per_min: float = 90.0  # the rpm tenant's requests, sent at this pace (open loop), 1 token each
     rpm_in_flight: int = 6  # at most this many of them at once (the local queues hold 16 per replica)
     abandon_share: float = 0.25
+    agreement_share: float = 0.15  # requests that bring their own agreement check (3 answers): a routing override
+    shadow_rate: float = 0.25  # the alias's shadow answers (the operator's ledger, never a tenant's)
+    shadow_budget_tokens: int = 3000  # the operator's daily shadow tokens
     min_tokens: int = 16
     max_tokens: int = 48
     threshold: float = 3.0  # entropy (nats) above which a step goes upstream (as in config.yaml)
@@ -152,7 +161,9 @@ def gateway_config(params: SoakParams, store_url: str, prefix: str, upstream: Sh
         "models": {"local": {"smol": {"gguf": LOCAL_MODEL, "n_ctx": 2048, "n_threads": 1}}},
         "upstreams": {"up": up},
         "aliases": {ALIAS: {"local": "smol", "upstream": "up",
-                            "routing": {"policy": "entropy", "threshold": params.threshold, "span": params.span}}},
+                            "routing": {"policy": "entropy", "threshold": params.threshold, "span": params.span,
+                                        "shadow": {"rate": params.shadow_rate}}}},
+        "shadow": {"operator": SHADOW_OPERATOR, "daily": {"upstream_tokens": params.shadow_budget_tokens}},
         "store": store,
         "tenants": [tenant(t) for t in TENANTS],
         "admin_key_env": "SOAK_ADMIN_KEY",
@@ -203,6 +214,8 @@ def next_plan(rng: random.Random, params: SoakParams, tenant: str) -> Plan:
         body["seed"] = rng.randrange(10**6)
     if stream:
         body["stream_options"] = {"include_usage": True}
+    if not short and rng.random() < params.agreement_share:
+        body["routing"] = {"answer_check": {"kind": "agreement", "samples": 3, "format": "text"}}
     abandon = not short and rng.random() < params.abandon_share
     return Plan(tenant, body, abandon, rng.randint(2, 4))
 
@@ -548,6 +561,24 @@ def day_usage(gateway: GatewayProcess, admin_key: str, tenant: str) -> int:
         time.sleep(0.5)
 
 
+def shadow_books(gateway: GatewayProcess, admin_key: str) -> dict[str, Any]:
+    """The operator's shadow tokens today and the alias's compared shadow answers (alias's own and
+    overridden), from GET /admin/quality (retried while the store recovers)."""
+    deadline = time.monotonic() + 10
+    while True:
+        response = httpx.get(f"{gateway.base_url}/admin/quality", headers={"Authorization": f"Bearer {admin_key}"},
+                             timeout=10)
+        if response.status_code == 200:
+            quality = response.json()
+            day = next(w for w in quality["operator"]["windows"] if w["period"] == "day")
+            alias = next(a for a in quality["aliases"] if a["alias"] == ALIAS)
+            return {"tokens": day["upstream_prompt_tokens"] + day["upstream_completion_tokens"],
+                    "compared": alias["figures"]["samples"], "overridden": alias["overridden"]["figures"]["samples"]}
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"/admin/quality: {response.status_code} {response.text[:200]}")
+        time.sleep(0.5)
+
+
 @dataclass
 class Books:
     """The replicas' and the store's state once the load has ended."""
@@ -555,6 +586,7 @@ class Books:
     sent: int
     counted_by_gateways: int  # surviving replicas' gateway_chat_requests_total (+ the killed one's last scrape)
     ledger: dict[str, int]  # tenant -> day usage
+    shadow: dict[str, Any]  # the operator's day usage and shadow calls compared, from /admin/quality
     metered: int  # sum over replicas of gateway_upstream_{prompt,completion}_tokens_total (killed: last scrape)
     metered_by_replica: list[int]
     unsettled: int
@@ -587,7 +619,8 @@ def read_books(soak: Soak, load: Load) -> Books:
     read_rate_keys(soak, load.underneath)
     ledger = {tenant: day_usage(survivors[0][1], soak.admin_key, tenant) for tenant in TENANTS}
     return Books(
-        len(load.outcomes), counted, ledger, sum(by_replica), by_replica, unsettled,
+        len(load.outcomes), counted, ledger, shadow_books(survivors[0][1], soak.admin_key), sum(by_replica),
+        by_replica, unsettled,
         {k: [f"{m} (expires in {s - now:.0f}s)" for m, s in v] for k, v in held.items()},
         {k: [f"{m} (expires in {s - now:.0f}s)" for m, s in v] for k, v in parallel.items()},
         slot_leases(soak), round(max(expiries, default=now) - now, 1), dict(load.underneath.rpm_admitted),
@@ -733,6 +766,7 @@ def checks(report: Report, params: SoakParams) -> list[Check]:
     rpm_store = max((m["store"] or 0 for m in report.rpm_per_minute.values()), default=0)
     rpm_client = max((m["client_200"] for m in report.rpm_per_minute.values() if not m["store_outage"]), default=0)
     rpm_refused = any(m["attempts"] > m["client_200"] for m in report.rpm_per_minute.values())
+    shadow = books.shadow
     return [
         Check("0 exercised", "faults done, tokens billed",
               f"upstream pid {faults.upstream_killed_pid}, replica {faults.replica_killed}, "
@@ -758,7 +792,17 @@ def checks(report: Report, params: SoakParams) -> list[Check]:
         Check("7 rpm", f"<= {params.rpm} admitted per minute (store keys)",
               f"store max {rpm_store}, client 200s max {rpm_client}, {'refused' if rpm_refused else 'never refused'}",
               rpm_store <= params.rpm and rpm_client <= params.rpm),
+        Check("8 shadow", f"answers compared; operator <= {params.shadow_budget_tokens} + {params.replicas} x call "
+              f"({shadow_call_bound(report)})",
+              f"{shadow['compared']} compared, {shadow['overridden']} overridden apart, operator {shadow['tokens']} tokens",
+              shadow["compared"] + shadow["overridden"] > 0
+              and shadow["tokens"] <= params.shadow_budget_tokens + params.replicas * shadow_call_bound(report)),
     ]
+
+
+def shadow_call_bound(report: Report) -> int:
+    """Billed tokens one shadow call can reach: a hand-off's prompt bound and its whole answer."""
+    return report.handoff_bound + report.params["max_tokens"]
 
 
 def print_report(report: Report) -> None:
