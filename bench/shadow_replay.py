@@ -37,7 +37,7 @@ import httpx
 
 from adapters.upstream_server import free_port
 from bench.support import SMOL, live_gateway
-from eval.datasets import DATA_DIR, DEFAULT_FILES, load_items
+from fitting.datasets import DATA_DIR, DEFAULT_FILES, load_items
 from gateway.shadow.figures import wilson
 from policies.agreement import same_answer
 

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from eval.datasets import DEFAULT_FILES, MAX_TOKENS, load_items, parse_rows
-from eval.records import RECORDED_FLASH_ATTN, RUNS_DIR, analysis_path, parse_source
+from fitting.datasets import DEFAULT_FILES, MAX_TOKENS, load_items, parse_rows
+from fitting.records import RECORDED_FLASH_ATTN, RUNS_DIR, analysis_path, parse_source
 
 if TYPE_CHECKING:  # numpy and the routers load only for the commands that use them
     import numpy as np
@@ -165,7 +165,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="also a table of each config against BASE (default local) on the same questions")
     report.add_argument("--plot", type=Path, help="write the plot here (PNG)")
     report.add_argument("--costs", action="store_true",
-                        help="also cost per correct answer under three price sheets (eval/costs.py)")
+                        help="also cost per correct answer under three price sheets (fitting/costs.py)")
     report.add_argument("--costs-plot", type=Path, help="write cost per correct answer against accuracy here (PNG)")
     report.add_argument("--title", default=None)
     report.set_defaults(command=_report)
@@ -174,14 +174,14 @@ def _parser() -> argparse.ArgumentParser:
     _where(costs)
     costs.add_argument("--sheet", action="append", required=True,
                        help="a built-in sheet (deepseek, frontier-openai, frontier-anthropic, self-hosted) or a "
-                            "YAML/JSON file of eval.costs.PriceSheet fields; repeat for several")
+                            "YAML/JSON file of fitting.costs.PriceSheet fields; repeat for several")
     costs.add_argument("--rows", help="only these dataset rows, e.g. 0:200")
     costs.add_argument("--configs", nargs="*", default=[], help="only these configs (default all)")
     costs.add_argument("--baseline", default="upstream", help="the config every cost is compared with")
     costs.add_argument("--shared-prefix", type=int, default=0,
                        help="model every question behind one cached system prompt of this many tokens")
     costs.add_argument("--answer-oracle", action="store_true",
-                       help="add two choices that read the gold answer (eval.costs.answer_oracles): a perfect check "
+                       help="add two choices that read the gold answer (fitting.costs.answer_oracles): a perfect check "
                             "of the local answer, and one knowing the upstream's answer too (needs the run's local "
                             "and upstream records)")
     costs.add_argument("--plot", type=Path, help="write accuracy against cost per correct answer here (PNG)")
@@ -189,7 +189,7 @@ def _parser() -> argparse.ArgumentParser:
     costs.set_defaults(command=_costs)
 
     borrow = commands.add_parser("borrow", help="refer to another run's records of some configs instead of "
-                                                "copying them (eval/records.py, borrowed.json)")
+                                                "copying them (fitting/records.py, borrowed.json)")
     _where(borrow)
     borrow.add_argument("--from-run", required=True, help="the run whose records to refer to")
     borrow.add_argument("--configs", nargs="+", required=True, help="the configs whose records to refer to")
@@ -222,9 +222,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
 # -- run --
 
 def _run(args: argparse.Namespace) -> int:
-    from eval.configs import configs_from_snippet, ordered, parse_config
-    from eval.records import append_invocation
-    from eval.runner import RunPlan, pending
+    from fitting.configs import configs_from_snippet, ordered, parse_config
+    from fitting.records import append_invocation
+    from fitting.runner import RunPlan, pending
 
     specs = [parse_config(c) for c in args.configs]
     if args.configs_from:
@@ -249,9 +249,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 async def _run_async(args: argparse.Namespace, plan: Any, total: int) -> dict[str, Any]:
-    from eval.costs import load_sheet
-    from eval.runner import run
-    from eval.session import ModelOptions, open_models
+    from fitting.costs import load_sheet
+    from fitting.runner import run
+    from fitting.session import ModelOptions, open_models
 
     _quiet_unclosed_sessions()
     options = ModelOptions(args.local, args.upstream, args.n_ctx, args.threads, args.input_usd_per_mtok,
@@ -329,8 +329,8 @@ def _print_summary(summary: dict[str, Any], names: list[str]) -> None:
 
 def _analyze(args: argparse.Namespace) -> int:
     from adapters.model_files import model_sha256, resolve_model
-    from eval.analysis import TeacherForcer, summarize_analysis
-    from eval.records import append_record, read_records, records_path, write_json
+    from fitting.analysis import TeacherForcer, summarize_analysis
+    from fitting.records import append_record, read_records, records_path, write_json
 
     run_dir = args.runs_dir / args.run_name
     references = {r["id"]: r for r in read_records(records_path(run_dir, args.dataset, args.answers))}
@@ -349,7 +349,7 @@ def _analyze(args: argparse.Namespace) -> int:
             forcer.close()
     records = read_records(out)
     if args.rows:
-        from eval.records import in_rows
+        from fitting.records import in_rows
 
         records = in_rows(records, parse_rows(args.rows))
     summary = summarize_analysis(records)
@@ -361,7 +361,7 @@ def _analyze(args: argparse.Namespace) -> int:
 # -- calibrate --
 
 def _diverge(args: argparse.Namespace) -> int:
-    from eval.records import in_rows, read_records, records_path
+    from fitting.records import in_rows, read_records, records_path
 
     run_dir = args.runs_dir / args.run_name
     analysis = {r["id"]: r for r in read_records(analysis_path(run_dir, args.dataset))}
@@ -383,7 +383,7 @@ async def _diverge_async(args: argparse.Namespace, items: list[Any], analysis: d
     from adapters.local_model import LocalModel
     from adapters.model_files import resolve_model
     from eval.divergence import divergent
-    from eval.records import append_record
+    from fitting.records import append_record
 
     if not items:
         return
@@ -400,8 +400,8 @@ async def _diverge_async(args: argparse.Namespace, items: list[Any], analysis: d
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from eval.calibrate import calibrate, snippet
-    from eval.records import in_rows, read_records, write_json
+    from fitting.calibrate import calibrate, snippet
+    from fitting.records import in_rows, read_records, write_json
 
     run_dir = args.runs_dir / args.run_name
     records = read_records(analysis_path(run_dir, args.dataset))
@@ -447,8 +447,8 @@ def _decision_us(router: Any) -> float:
 
 def _learn(args: argparse.Namespace, fit: list[dict[str, Any]], held_out: list[dict[str, Any]]) -> None:
     from adapters.model_files import model_sha256
-    from eval.learn import compare, comparison_table, ranking_quality, reliability_table, train
-    from eval.records import read_records
+    from fitting.learn import compare, comparison_table, ranking_quality, reliability_table, train
+    from fitting.records import read_records
 
     if not args.share:
         raise ValueError("--learn needs --share targets (the router's thresholds are fitted for them)")
@@ -494,7 +494,7 @@ def analysed_model(records: list[dict[str, Any]], default: str) -> str:
 
 
 def _thresholds(args: argparse.Namespace) -> int:
-    from eval.learn import with_thresholds
+    from fitting.learn import with_thresholds
     from policies.learned import Router
 
     router = Router.load(args.router)
@@ -513,8 +513,8 @@ def _thresholds(args: argparse.Namespace) -> int:
 
 def _local_analysed_rows(args: argparse.Namespace, router: Router | MlpRouter) -> tuple[np.ndarray, int]:
     """A logistic router's inputs along the local model's answers, from their analysis records."""
-    from eval.learn import matrix
-    from eval.records import in_rows, read_records
+    from fitting.learn import matrix
+    from fitting.records import in_rows, read_records
 
     path = analysis_path(args.runs_dir / args.run_name, args.dataset, "local")
     fit = in_rows(read_records(path), parse_rows(args.fit_rows))
@@ -559,9 +559,9 @@ def _answer_check(args: argparse.Namespace) -> int:
     import numpy as np
 
     from adapters.model_files import model_sha256
-    from eval.afresh import confidences_of, fit
-    from eval.analysis import auroc
-    from eval.records import in_rows, read_records, records_path
+    from fitting.afresh import confidences_of, fit
+    from fitting.analysis import auroc
+    from fitting.records import in_rows, read_records, records_path
 
     sources = [(args.dataset, args.run_name, args.fit_rows), *(parse_source(spec) for spec in args.also)]
     records, stats = [], {}
@@ -591,18 +591,18 @@ def _answer_check(args: argparse.Namespace) -> int:
 
 def _answer_stats(run_dir: Path, dataset: str, answers: str, records: list[dict[str, Any]],
                   at_tokens: int | None) -> dict[str, Any]:
-    """What a check reads of each of `records` (eval.afresh.answer_stats); a check read at
+    """What a check reads of each of `records` (fitting.afresh.answer_stats); a check read at
     `at_tokens` needs the answers' analysis, and answers without one are left out."""
-    from eval.afresh import answer_stats
-    from eval.records import read_records
+    from fitting.afresh import answer_stats
+    from fitting.records import read_records
 
     analysed = {a["id"]: a for a in read_records(analysis_path(run_dir, dataset, answers))} if at_tokens else {}
     return answer_stats(records, at_tokens, analysed)
 
 
 def _afresh_by_agreement(args: argparse.Namespace, source: Path, base: list, upstream: list) -> int:
-    from eval.afresh import derived
-    from eval.records import merge_records, records_path, write_records
+    from fitting.afresh import derived
+    from fitting.records import merge_records, records_path, write_records
 
     base = [r for r in base if r.get("agreement") is not None]
     if not base:
@@ -626,9 +626,9 @@ def _afresh_by_agreement(args: argparse.Namespace, source: Path, base: list, ups
 def _afresh(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from eval.afresh import agreement, confidences_of, derived
-    from eval.analysis import auroc, reliability
-    from eval.records import in_rows, merge_records, read_records, records_path, write_records
+    from fitting.afresh import agreement, confidences_of, derived
+    from fitting.analysis import auroc, reliability
+    from fitting.records import in_rows, merge_records, read_records, records_path, write_records
     from policies.answer_check import AnswerCheck
 
     source = args.runs_dir / (args.from_run or args.run_name)
@@ -689,7 +689,7 @@ def _report(args: argparse.Namespace) -> int:
         plot(rows, points, args.plot, title)
         print(f"plot: {args.plot}")
     if args.costs or args.costs_plot:
-        from eval.costs import cost_plot, cost_table
+        from fitting.costs import cost_plot, cost_table
 
         records = {name: found for name, (_, found) in configs.items()}
         print("\n" + cost_table(records), end="")
@@ -700,7 +700,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _costs(args: argparse.Namespace) -> int:
-    from eval.costs import answer_oracles, load_sheet, repriced_plot, repriced_table
+    from fitting.costs import answer_oracles, load_sheet, repriced_plot, repriced_table
     from eval.report import load
 
     configs = load(args.runs_dir / args.run_name, args.dataset, parse_rows(args.rows), args.configs)
@@ -725,7 +725,7 @@ def _costs(args: argparse.Namespace) -> int:
 
 
 def _borrow(args: argparse.Namespace) -> int:
-    from eval.records import borrow, records_path
+    from fitting.records import borrow, records_path
 
     run_dir, source = args.runs_dir / args.run_name, args.runs_dir / args.from_run
     names = [records_path(source, args.dataset, config).name for config in args.configs]

@@ -3,7 +3,7 @@
 For each position where the local model's greedy token differs from the upstream's (the FS-GEN
 mismatches), the local model continues the upstream's answer prefix twice, greedily: once after
 its own token and once after the upstream's. The position is divergent when the two finished
-answers extract to different predictions (eval/answers.py); a mismatch that only rewords the
+answers extract to different predictions (fitting/answers.py); a mismatch that only rewords the
 explanation is not. A router trained on these labels spends its hand-offs where they change
 what the user gets. Roll-outs run together in the local model's batched engine.
 """
@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from adapters.local_model import LocalModel
-from eval.answers import score
-from eval.datasets import Item
+from fitting.answers import score
+from fitting.datasets import Item
 
 
 async def greedy(local: LocalModel, tokens: list[int], limit: int) -> list[int]:

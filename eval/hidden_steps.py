@@ -1,6 +1,6 @@
 """Teacher-forced steps with the local model's last hidden state: the rows an MLP router learns from.
 
-As eval/analysis.py's TeacherForcer, the local model reads prompt + the upstream's answer, one
+As fitting/analysis.py's TeacherForcer, the local model reads prompt + the upstream's answer, one
 llama.cpp pass per chunk; the answer's positions are read with embeddings on (pooling NONE), so
 each gives its logits (the step's FEATURES and the mismatch label, computed as the analysis
 computes them) and the hidden state the router reads there. The prompt is read with embeddings
@@ -21,8 +21,8 @@ from llama_cpp import Llama
 
 from adapters.chat_template import ChatTemplate
 from adapters.vocabulary import tokenize_parts
-from eval.datasets import Item, load_items
-from eval.records import read_records, records_path
+from fitting.datasets import Item, load_items
+from fitting.records import read_records, records_path
 from gateway.decoding.signals import signal_of, token_kind
 from policies.learned import FEATURES, features
 

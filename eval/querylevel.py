@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from eval.summary import summarize, upstream_written
+from fitting.summary import summarize, upstream_written
 
 SCORE_KEY = "mean_entropy"
 

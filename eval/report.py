@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from eval import querylevel
-from eval.answers import score
-from eval.configs import ROUTED, ConfigSpec, parse_config
-from eval.datasets import Item
-from eval.records import configs_in, in_rows, read_records
-from eval.summary import bootstrap_ci, mcnemar_p, summarize
+from fitting.answers import score
+from fitting.configs import ROUTED, ConfigSpec, parse_config
+from fitting.datasets import Item
+from fitting.records import configs_in, in_rows, read_records
+from fitting.summary import bootstrap_ci, mcnemar_p, summarize
 
 ORDER = {"local": 0, "upstream": 1, "oracle": 2, "query": 3, "query-billed": 4,
          **{p: 5 + i for i, p in enumerate(ROUTED)}}
@@ -32,7 +32,7 @@ def load(run_dir: Path, dataset: str, rows: slice, only: Sequence[str] = (), com
     """Config name -> (spec, records in `rows`), restricted to the items every config has if `common`.
 
     With `items`, answers are scored again from their text with the current extraction rules
-    (cheap for CSQA and GSM8K), so a fix to eval/answers.py needs no new decoding.
+    (cheap for CSQA and GSM8K), so a fix to fitting/answers.py needs no new decoding.
     """
     by_id = {item.id: item for item in items}
     found = {}

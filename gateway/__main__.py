@@ -5,15 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from adapters.local_model import LocalModelError
 from adapters.model_files import CATALOG, ModelFileError, resolve_model
 from adapters.upstream_server import UpstreamServerError
+from fitting.cli import register as fitting_commands  # the composition root: only it imports fitting/
 from gateway.logs import configure_logging
 from gateway.settings import ServerSettings, Settings, SettingsError, load_settings
-from gateway.steering.cli import register as steering_commands
 from policies.learned import RouterError
 
 if TYPE_CHECKING:
@@ -48,63 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-config", help="check a config file as start-up would, without loading models")
     check.add_argument("--config", default="config.yaml")
     check.set_defaults(run=_check_config)
-    _tune_parser(commands)
-    steering_commands(commands)
+    fitting_commands(commands)  # tune, steer (fitting/: the one package above the gateway's own layers)
     return parser
-
-
-def _tune_parser(commands: argparse._SubParsersAction) -> None:
-    tune = commands.add_parser("tune", help="fit an alias's routing to your own prompts (docs/tuning.md)")
-    tune.add_argument("--config", default="config.yaml", help="YAML settings file holding the alias")
-    tune.add_argument("--alias", help="the alias to tune (it needs an upstream)")
-    tune.add_argument("--prompts", type=Path, help="a prompts JSONL (docs/tuning.md); with --dataset: its data file")
-    tune.add_argument("--dataset", help="one of eval's datasets instead (csqa, gsm8k, ifeval, humaneval, mbpp, ...)")
-    tune.add_argument("--out", type=Path, help="where the records and the fitted files go (e.g. results/tune/NAME)")
-    tune.add_argument("--fit-rows", help="rows to fit the answer check on, e.g. 0:100 (all three or none: "
-                                         "then 40%% / 20%% / 40%% of the rows)")
-    tune.add_argument("--choose-rows", help="rows to choose the routing on, e.g. 100:150")
-    tune.add_argument("--report-rows", help="held-out rows to report on, e.g. 150:250")
-    tune.add_argument("--agree", type=int, default=4, help="samples of the agreement check candidates (0: none)")
-    tune.add_argument("--handoff-shares", nargs="*", type=float, default=[],
-                      help="also token-level candidates: entropy thresholds routing these shares of the fit "
-                           "answers' steps, decoded on the choose and report rows (e.g. 0.05 0.1)")
-    tune.add_argument("--max-cost-ratio", type=float, default=0.7,
-                      help="choose the most accurate routing at most this multiple of upstream-only's cost per "
-                           "correct answer (default 0.7)")
-    tune.add_argument("--sheet", help="price costs on this sheet (eval's: deepseek, frontier-openai, "
-                                      "frontier-anthropic, self-hosted, or a file) instead of the alias's prices")
-    tune.add_argument("--threads", type=int, default=1, help="llama.cpp threads, local model and launched upstream")
-    tune.add_argument("--parallel", type=int, default=1, help="prompts decoded at once")
-    tune.add_argument("--max-tokens", type=int, help="answer length (default: by the prompts' format)")
-    tune.add_argument("--convert", metavar="DATASET", help="print a dataset's rows (csqa, gsm8k; --prompts: the "
-                                                           "file, --rows) as a prompts JSONL, and stop")
-    tune.add_argument("--rows", help="with --convert: the rows to print")
-    tune.set_defaults(run=_tune)
-
-
-def _tune(args: argparse.Namespace) -> int:
-    import json
-    import shlex
-
-    from eval.prompts import convert
-    from eval.tune import TuneOptions, tune
-
-    try:
-        if args.convert:
-            for line in convert(args.convert, args.prompts, args.rows):
-                print(json.dumps(line, ensure_ascii=False))
-            return 0
-        if not args.alias or not args.out:
-            raise ValueError("tune needs --alias and --out (and --prompts or --dataset)")
-        tune(TuneOptions(Path(args.config), args.alias, args.out, args.prompts, args.dataset, args.fit_rows,
-                         args.choose_rows, args.report_rows, args.agree, tuple(args.handoff_shares),
-                         max_cost_ratio=args.max_cost_ratio, sheet=args.sheet, threads=args.threads,
-                         parallel=args.parallel, max_tokens=args.max_tokens,
-                         command="python -m gateway " + shlex.join(sys.argv[1:])))
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
 
 
 def _check_config(args: argparse.Namespace) -> int:

@@ -55,7 +55,7 @@ class AnswerStats:
 
     @classmethod
     def of_record(cls, record: dict[str, Any]) -> "AnswerStats":
-        """The stats an evaluation record (eval/runner.py) keeps."""
+        """The stats an evaluation record (fitting/runner.py) keeps."""
         return cls(record["mean_entropy"], record["max_entropy"], record["mean_top1"], record["first_entropy"],
                    record["answer_tokens"], record["finish_reason"] == "length")
 

@@ -137,7 +137,7 @@ def _wait_redis(port: int, timeout_s: float = 10.0) -> None:
 def router_file(directory: Path, sha: str | None = None, **changes) -> str:
     """A router trained on the synthetic set, for SmolLM2 unless `sha` says otherwise."""
     from adapters.model_files import model_sha256
-    from eval.learn import train
+    from fitting.learn import train
     from tests.fakes import synthetic
 
     router = train(synthetic(60, 0), [0.1, 0.2], sha or model_sha256(SMOL), {"command": "test"}).to_json()

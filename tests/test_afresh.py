@@ -13,8 +13,8 @@ import pytest
 
 from adapters.memory_store import MemoryStore
 from adapters.store import Limits
-from eval.afresh import derived, fit
-from eval.configs import parse_config
+from fitting.afresh import derived, fit
+from fitting.configs import parse_config
 from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.tenancy.budget import HandoffGate, Ledger
@@ -236,7 +236,7 @@ def test_derived_records_of_the_agreement_check_read_each_answers_own_agreement(
 
 def test_eval_afresh_by_agreement_writes_each_threshold_and_says_how_agreement_ranks(tmp_path, capsys):
     from eval.__main__ import main
-    from eval.records import read_records, records_path, write_records
+    from fitting.records import read_records, records_path, write_records
 
     agreements = (0.0, 0.0, 0.3333, 1.0)
     local = [{**r, "agreement": a, "correct": a == 1.0} for r, a in zip(records(4), agreements)]
@@ -327,8 +327,8 @@ def test_escalate_below_without_a_check_or_out_of_range_is_a_400_naming_it(check
 
 
 def test_rows_with_a_step_select_every_other_row_for_disjoint_fit_and_report_halves():
-    from eval.datasets import parse_rows
-    from eval.records import in_rows
+    from fitting.datasets import parse_rows
+    from fitting.records import in_rows
 
     rows = [{"row": i} for i in range(10)]
     assert [r["row"] for r in in_rows(rows, parse_rows("0:10:2"))] == [0, 2, 4, 6, 8]
@@ -337,7 +337,7 @@ def test_rows_with_a_step_select_every_other_row_for_disjoint_fit_and_report_hal
 
 
 def test_the_reliability_table_bins_answers_by_confidence_in_equal_counts():
-    from eval.analysis import reliability
+    from fitting.analysis import reliability
 
     confidences = np.array([0.9, 0.1, 0.8, 0.2, 0.85, 0.15])
     labels = np.array([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
@@ -362,7 +362,7 @@ def test_every_shipped_router_and_check_loads_for_the_reference_local_model():
 
 
 def test_an_early_rating_aggregates_only_the_first_k_steps():
-    from eval.afresh import prefix_stats
+    from fitting.afresh import prefix_stats
 
     analysis = {"n": 4, "entropy": [2.0, 0.5, 0.1, 3.0], "top1": [0.2, 0.8, 0.9, 0.1]}
     cut = {"finish_reason": "length"}

@@ -1,10 +1,10 @@
-"""Re-pricing evaluation records on price sheets (eval/costs.py; unit, no model)."""
+"""Re-pricing evaluation records on price sheets (fitting/costs.py; unit, no model)."""
 
 from __future__ import annotations
 
 import pytest
 
-from eval.costs import SHEETS_BY_NAME, PriceSheet, answer_oracles, load_sheet, repriced_points, repriced_table
+from fitting.costs import SHEETS_BY_NAME, PriceSheet, answer_oracles, load_sheet, repriced_points, repriced_table
 
 ROUTED = {"upstream_calls": 4, "upstream_prompt_tokens": 2000, "upstream_cached_tokens": 1500,
           "upstream_completion_tokens": 8, "upstream_compute_ms": 1800.0, "correct": True}

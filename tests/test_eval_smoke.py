@@ -17,12 +17,12 @@ import pytest
 
 from adapters.local_model import LocalModel
 from eval.__main__ import _parser
-from eval.analysis import TeacherForcer, auroc, steps, summarize_analysis
-from eval.answers import extract_choice, extract_number, score
-from eval.calibrate import calibrate, evaluate_threshold, threshold_for_share
-from eval.configs import ordered, parse_config
-from eval.datasets import load_items
-from eval.records import (
+from fitting.analysis import TeacherForcer, auroc, steps, summarize_analysis
+from fitting.answers import extract_choice, extract_number, score
+from fitting.calibrate import calibrate, evaluate_threshold, threshold_for_share
+from fitting.configs import ordered, parse_config
+from fitting.datasets import load_items
+from fitting.records import (
     append_record,
     borrow,
     borrowed,
@@ -34,9 +34,9 @@ from eval.records import (
     write_records,
 )
 from eval.report import build_rows, load, markdown_table, paired_table, plot
-from eval.runner import RunPlan, evaluate, run
-from eval.session import ModelOptions, Models, open_models, upstream_settings
-from eval.summary import bootstrap_ci, mcnemar_p
+from fitting.runner import RunPlan, evaluate, run
+from fitting.session import ModelOptions, Models, open_models, upstream_settings
+from fitting.summary import bootstrap_ci, mcnemar_p
 from gateway.runtime import make_upstream
 
 CHOICES = {"A": "bank", "B": "library", "C": "department store", "D": "mall", "E": "new york"}

@@ -97,8 +97,8 @@ async def test_a_sequence_asking_for_hidden_states_among_others_disturbs_nobody(
 
 async def test_teacher_forced_rows_carry_the_analysis_labels_and_features_and_the_hidden_state(
         smol_path, reference, local):
-    from eval.analysis import TeacherForcer
-    from eval.datasets import Item
+    from fitting.analysis import TeacherForcer
+    from fitting.datasets import Item
     from eval.hidden_steps import HiddenForcer
     from policies.learned import FEATURES
 

@@ -10,8 +10,8 @@ import pytest
 from adapters.memory_store import MemoryStore
 from adapters.store import Limits
 from eval.__main__ import main as eval_main
-from eval.analysis import steps
-from eval.learn import compare, matrix, step_signal, train, with_thresholds
+from fitting.analysis import steps
+from fitting.learn import compare, matrix, step_signal, train, with_thresholds
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import signal_of, token_kind
 from gateway.settings import RoutingOverride, RoutingSettings
@@ -196,7 +196,7 @@ def test_learned_policy_routes_above_its_threshold_and_needs_a_router():
 
 
 async def test_divergent_marks_only_the_mismatch_that_changes_the_prediction():
-    from eval.datasets import Item
+    from fitting.datasets import Item
     from eval.divergence import divergent
 
     local = FakeLocalModel(["A", "B", ".", " library", " is", " nice"], "B. library is nice")

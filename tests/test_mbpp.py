@@ -12,8 +12,8 @@ import time
 import pytest
 
 from eval.__main__ import _parser
-from eval.answers import SCORERS, mbpp_program, score, score_mbpp
-from eval.datasets import DATA_DIR, DEFAULT_FILES, MAX_TOKENS, load_items
+from fitting.answers import SCORERS, mbpp_program, score, score_mbpp
+from fitting.datasets import DATA_DIR, DEFAULT_FILES, MAX_TOKENS, load_items
 
 MBPP_FILE = DATA_DIR / DEFAULT_FILES["mbpp"]
 

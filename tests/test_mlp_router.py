@@ -11,7 +11,7 @@ import pytest
 
 from adapters.memory_store import MemoryStore
 from adapters.store import Limits
-from eval.analysis import auroc
+from fitting.analysis import auroc
 from eval.learn_mlp import SCALARS, fit_mlp, forward, projection, reduce, train_mlp
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import signal_of

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from eval.analysis import TeacherForcer
-from eval.datasets import load_items
-from eval.records import analysis_path, append_record, records_path
+from fitting.analysis import TeacherForcer
+from fitting.datasets import load_items
+from fitting.records import analysis_path, append_record, records_path
 from eval.studies.mixed.reliability import LABELS, calibration, first_positions, label, live_records, main, table
 from policies.learned import Router
 from tests.conftest import ROOT, SMOL

@@ -24,8 +24,8 @@ from adapters.steering import Steering, SteeringError, SteeringVector
 from bench.support import ROOT, SMOL, gateway_config, live_gateway, prompt
 from gateway.runtime import steering_of
 from gateway.settings import SettingsError, load_settings
-from gateway.steering.fit import directions
-from gateway.steering.probe import held_out_accuracy, transfer_accuracy
+from fitting.steering.fit import directions
+from fitting.steering.probe import held_out_accuracy, transfer_accuracy
 
 # -- files and maths (no model) --
 
@@ -97,6 +97,53 @@ def test_settings_refuse_steering_layers_out_of_order(tmp_path, layers):
         load_settings(path)
 
 
+
+def _synthetic_report(concepts: int):
+    from fitting.steering.report import Readout, Report
+
+    rng = np.random.default_rng(4)
+    readouts = []
+    for index in range(concepts):
+        positive, negative = rng.normal(size=(6, 3, 8)), rng.normal(size=(6, 3, 8))
+        direction = directions(positive, negative, "mean")
+        readouts.append(Readout(f"c{index}", [0.5, 0.75, 1.0], direction, positive, negative))
+    return Report.of(readouts)
+
+
+def test_a_report_writes_its_json_and_its_heatmap_only_when_asked(tmp_path):
+    from fitting.steering.report import write
+
+    report = _synthetic_report(2)
+    assert write(report, tmp_path / "plain", {"command": "x"}, heatmap=False) == [tmp_path / "plain" / "report.json"]
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["report.json"]
+    saved = json.loads((tmp_path / "plain" / "report.json").read_text())
+    assert saved["probe_accuracy"]["c0"] == [0.5, 0.75, 1.0]
+    assert set(saved["transfer_accuracy"]) == {"c0 -> c1", "c1 -> c0"}
+    pytest.importorskip("matplotlib")
+    written = write(report, tmp_path / "full", {"command": "x"})
+    assert written[-1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_steer_report_without_matplotlib_fails_in_one_line_before_loading_a_model(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from fitting.steering.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text('{"positive": "a", "negative": "b"}\n' * 2)
+    args = ["steer", "report", "--model", str(tmp_path / "absent.gguf"), "--pairs", str(pairs),
+            "--out", str(tmp_path / "r")]
+    assert main(args) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "needs matplotlib" in error
+    assert "pip install 'routing-gateway[fitting]'" in error and "--no-heatmap" in error
+    assert main([*args, "--no-heatmap"]) == 2  # past the check, the model is looked for: absent
+    assert "absent.gguf" in capsys.readouterr().err
+
+
 # -- the real engine --
 
 TEXT_A = ("You are a helpful assistant.", "What is the capital of France?")
@@ -132,17 +179,17 @@ def smol_shape(smol_path):
 @pytest.fixture(scope="module")
 def last_states(smol_path):
     """The last token's per-layer states and final-norm output for prompts A and B (capture context)."""
-    from gateway.steering.fit import open_model
+    from fitting.steering.fit import open_model
 
     with open_model(SMOL) as model:
         tokens = {name: prompt_tokens(model, *text) for name, text in (("a", TEXT_A), ("b", TEXT_B))}
-        yield {name: (tokens[name], *model.layers.states(tokens[name])) for name in tokens}
+        yield {name: (tokens[name], *model.capture.states(tokens[name])) for name in tokens}
 
 
 def prompt_tokens(model, system: str, user: str) -> list[int]:
-    from gateway.steering.prompts import prompt_tokens as render
+    from fitting.steering.prompts import prompt_tokens as render
 
-    return render(model.llm, model.template, [{"role": "system", "content": system}, {"role": "user", "content": user}])
+    return render(model.capture, [{"role": "system", "content": system}, {"role": "user", "content": user}])
 
 
 def vector(rows: np.ndarray) -> SteeringVector:
@@ -234,14 +281,14 @@ async def test_captured_states_are_the_engines_final_hidden_state_and_layer_outp
 
 @pytest.mark.integration
 def test_a_prompt_split_across_batches_captures_its_last_token(monkeypatch, last_states):
-    import gateway.steering.capture as capture
-    from gateway.steering.fit import open_model
+    import adapters.hidden_states as capture
+    from fitting.steering.fit import open_model
 
     tokens, layers, final = last_states["a"]
     monkeypatch.setattr(capture, "UBATCH", 8)  # the prompt in several graphs
     with open_model(SMOL) as model:
-        split_layers, split_final = model.layers.states(tokens)
-        other = model.layers.states(last_states["b"][0])[0]
+        split_layers, split_final = model.capture.states(tokens)
+        other = model.capture.states(last_states["b"][0])[0]
     assert len(tokens) > 16
     for got, want in ((split_layers[1:], layers[1:]), (split_final, final)):
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
@@ -312,7 +359,7 @@ QUESTIONS = ["What is the capital of France?", "Name a yellow fruit.", "How many
 
 @pytest.mark.integration
 async def test_steer_fit_and_report_commands(tmp_path, smol_path, smol_shape):
-    from gateway.steering.cli import main
+    from fitting.steering.cli import main
 
     n_layer, n_embd = smol_shape
     pairs = tmp_path / "french.jsonl"

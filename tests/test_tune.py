@@ -1,4 +1,4 @@
-"""`python -m gateway tune` (eval/tune.py): prompts files, labels, the choice rule, the figures, and
+"""`python -m gateway tune` (fitting/tune.py): prompts files, labels, the choice rule, the figures, and
 the whole command on SmolLM2 locally with a real llama-server upstream; a tuned alias loads the
 check `tune` wrote and refuses it for another local model."""
 
@@ -12,14 +12,14 @@ import pytest
 import yaml
 
 from adapters.model_files import model_sha256
-from eval.answers import score
-from eval.costs import PriceSheet
-from eval.datasets import Item, load_items
-from eval.prompts import PromptsError, convert, load_prompts
-from eval.records import analysis_path, read_records, records_path
-from eval.summary import wilson_ci
-from eval.tune import TuneOptions, resolve_splits, routing_for, tune, tune_items
-from eval.tune_fit import agreement_levels, candidates, choose, cost_ratio, figures, relabel
+from fitting.answers import score
+from fitting.costs import PriceSheet
+from fitting.datasets import Item, load_items
+from fitting.prompts import PromptsError, convert, load_prompts
+from fitting.records import analysis_path, read_records, records_path
+from fitting.summary import wilson_ci
+from fitting.tune import TuneOptions, resolve_splits, routing_for, tune, tune_items
+from fitting.tune_fit import agreement_levels, candidates, choose, cost_ratio, figures, relabel
 from gateway.__main__ import main as gateway_main
 from gateway.runtime import alias_files, check_routing
 from gateway.settings import RoutingSettings, load_settings
@@ -39,6 +39,19 @@ def _record(id_: str, correct: bool, text: str = "", calls: int = 0, **extra) ->
             "upstream_prompt_tokens": 10 * calls, "upstream_completion_tokens": 5 * calls, "upstream_cached_tokens": 0,
             "wall_s": 1.0, "answer_tokens": 5, "mean_entropy": 1.0, "max_entropy": 2.0, "mean_top1": 0.6,
             "first_entropy": 1.0, "finish_reason": "stop", **extra}
+
+
+
+def test_tune_without_its_extra_fails_in_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tqdm" else find_spec(name, *a))
+    assert gateway_main(["tune", "--alias", "routed", "--out", str(tmp_path / "out"), "--dataset", "csqa"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == ("error: python -m gateway tune needs tqdm, which is not installed: "
+                     "pip install 'routing-gateway[fitting]'")
+    assert not (tmp_path / "out").exists()
 
 
 # -- prompts files --

@@ -2,7 +2,7 @@
 # Asking afresh on GSM8K (docs/studies/afresh.md, "Asking afresh"): fit on the train split, choose on dev
 # rows 0-49, report on dev rows 100-198 (the slice nothing here was chosen on), the reference pair
 # at 512 answer tokens. The dev answers are the landed records of eval/studies/learned/learned.sh (local and
-# upstream-only, the same code path): a config `local,afresh=P` is derived from them (eval/afresh.py),
+# upstream-only, the same code path): a config `local,afresh=P` is derived from them (fitting/afresh.py),
 # and decoded for real on a slice of the report rows to check that both agree.
 # Resumable: rerun to continue.   nohup nice -n 15 bash eval/studies/afresh/afresh.sh > eval-afresh.log 2>&1 &
 set -euo pipefail

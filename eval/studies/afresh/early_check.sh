@@ -4,7 +4,7 @@
 # 16/32/64/128/192 within 0.02 of the whole-answer check's two-fold AUROC on the train answers,
 # `python -m eval.studies.afresh.early_rating`). Fitted on train rows 0-139, escalate_below chosen on dev rows 0-49
 # by eval/studies/afresh/afresh.sh's rule, reported on dev rows 100-198; records derived from the landed local and
-# upstream-only records (eval/afresh.py), the local answers' signals from their analysis.
+# upstream-only records (fitting/afresh.py), the local answers' signals from their analysis.
 # Resumable: rerun to continue.   nohup nice -n 15 bash eval/studies/afresh/early_check.sh > eval-early.log 2>&1 &
 set -euo pipefail
 cd "$(dirname "$0")/../../.."

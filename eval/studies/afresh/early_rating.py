@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from eval.afresh import prefix_stats
-from eval.analysis import auroc
-from eval.datasets import parse_rows
-from eval.learn import fit_logistic
-from eval.records import RUNS_DIR, analysis_path, in_rows, read_records, records_path
+from fitting.afresh import prefix_stats
+from fitting.analysis import auroc
+from fitting.datasets import parse_rows
+from fitting.learn import fit_logistic
+from fitting.records import RUNS_DIR, analysis_path, in_rows, read_records, records_path
 
 
 def two_fold_auroc(x: np.ndarray, y: np.ndarray) -> float:

@@ -7,7 +7,7 @@
 Both runs hold the upstream's answers (`python -m eval run --configs upstream`). Every answer
 position is teacher-forced through the local model with its hidden state (eval/hidden_steps.py;
 the rows are cached outside the repository, they are large and can be made again). On the train
-rows only, this fits a logistic router on the twelve scalar FEATURES (eval/learn.py's), an MLP on
+rows only, this fits a logistic router on the twelve scalar FEATURES (fitting/learn.py's), an MLP on
 the scalars alone and an MLP on scalars + hidden state (eval/learn_mlp.py); it reports each
 one's AUROC for the mismatch label on the dev rows, beside the fixed signals', and writes the
 comparison as JSON (hidden_router_<dataset>_dev<rows>.json in the train run) and the scalars +
@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 
 from adapters.model_files import model_sha256, resolve_model
-from eval.analysis import auroc, auroc_gain
+from fitting.analysis import auroc, auroc_gain
 from eval.hidden_steps import CACHE_DIR, HiddenForcer, rows_of
-from eval.learn import fit_logistic, logistic_scores
+from fitting.learn import fit_logistic, logistic_scores
 from eval.learn_mlp import SCALARS, MlpParams, fit_mlp, fit_projected, forward, projection, reduce, router_of
-from eval.records import RUNS_DIR, analysis_path, read_records, write_json
+from fitting.records import RUNS_DIR, analysis_path, read_records, write_json
 from policies.learned import FEATURES, Router
 
 LOCAL = "qwen2.5-coder-0.5b-instruct"

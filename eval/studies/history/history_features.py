@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from eval.analysis import auroc, auroc_gain
-from eval.learn import fit_logistic, logistic_scores, matrix
-from eval.records import RUNS_DIR, load_analysed, write_json
+from fitting.analysis import auroc, auroc_gain
+from fitting.learn import fit_logistic, logistic_scores, matrix
+from fitting.records import RUNS_DIR, load_analysed, write_json
 
 SETS = ("the router's twelve features", "+ the previous step's signals", "+ routing history (every mismatch routed)")
 

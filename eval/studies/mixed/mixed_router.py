@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 
 from adapters.model_files import model_sha256
-from eval.analysis import auroc, steps
-from eval.learn import matrix, scored, step_signal, train, with_thresholds
-from eval.records import RUNS_DIR, load_analysed, write_json
+from fitting.analysis import auroc, steps
+from fitting.learn import matrix, scored, step_signal, train, with_thresholds
+from fitting.records import RUNS_DIR, load_analysed, write_json
 from policies import RoutingState, SharedWindows, build_policy
 from policies.learned import FEATURES, Router
 

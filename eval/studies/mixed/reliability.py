@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from eval.analysis import auroc, reliability
-from eval.datasets import load_items
-from eval.records import RUNS_DIR, analysis_path, append_record, load_analysed, parse_source, read_records, records_path
+from fitting.analysis import auroc, reliability
+from fitting.datasets import load_items
+from fitting.records import (RUNS_DIR, analysis_path, append_record, load_analysed, parse_source, read_records,
+                             records_path)
 from policies.learned import FEATURES, Router
 
 UPSTREAM = "qwen2.5-coder-1.5b-instruct"
@@ -46,7 +47,7 @@ def label(sources: Sequence[str], upstream: str, local: str, n_ctx: int, threads
     from llama_cpp import Llama
 
     from adapters.model_files import resolve_model
-    from eval.analysis import TeacherForcer
+    from fitting.analysis import TeacherForcer
 
     forcer = TeacherForcer.load(resolve_model(upstream, fetch=True), n_ctx, threads)
     try:
@@ -104,7 +105,7 @@ def first_positions(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def on_policy_router(fit: dict[str, list[dict[str, Any]]], model_sha256: str) -> Router:
     """A logistic router over the scalar features, fitted on labelled local answers of every task."""
-    from eval.learn import train
+    from fitting.learn import train
 
     meta = {"labels": "mismatch on the local model's own answers", "fitted_on": {t: len(r) for t, r in fit.items()}}
     return train([r for records in fit.values() for r in records], [], model_sha256, meta)
@@ -112,7 +113,7 @@ def on_policy_router(fit: dict[str, list[dict[str, Any]]], model_sha256: str) ->
 
 def calibration(router: Router, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The router's probability against the labels along `records`: means, calibration error, AUROC."""
-    from eval.learn import scored
+    from fitting.learn import scored
 
     scores, labels, x = scored(router, records)
     bins = reliability(scores, labels, bins=BINS)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from eval.records import read_records
-from eval.summary import bootstrap_ci, mcnemar_p, wilson_ci
+from fitting.records import read_records
+from fitting.summary import bootstrap_ci, mcnemar_p, wilson_ci
 
 RUNS = Path(__file__).resolve().parents[3] / "results" / "steering" / "runs"
 

@@ -5,16 +5,16 @@ against steered (eval/studies/steering/routed.sh), beside local-only and upstrea
 
 Per config: accuracy, gained / lost against the plain local model (McNemar p), calls and upstream
 tokens per question, and cost per correct answer as a multiple of upstream-only's on each token
-sheet (eval/costs.py); then each routed config steered against the same config plain, paired.
+sheet (fitting/costs.py); then each routed config steered against the same config plain, paired.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from eval.costs import SHEETS_BY_NAME, repriced_table
-from eval.records import RUNS_DIR, read_records
-from eval.summary import bootstrap_ci, mcnemar_p
+from fitting.costs import SHEETS_BY_NAME, repriced_table
+from fitting.records import RUNS_DIR, read_records
+from fitting.summary import bootstrap_ci, mcnemar_p
 
 RUNS = Path(__file__).resolve().parents[3] / "results" / "steering" / "runs"
 UPSTREAM = RUNS_DIR / "agreement_csqa_report" / "csqa__upstream.jsonl"
@@ -22,7 +22,7 @@ ROUTED = ("learned@0.05", "learned@0.05,from=traffic")
 
 
 def records(path: Path) -> dict[str, dict]:
-    return {r["id"]: r for r in read_records(path)}  # its own, gzipped or borrowed (eval/records.py)
+    return {r["id"]: r for r in read_records(path)}  # its own, gzipped or borrowed (fitting/records.py)
 
 
 def main() -> None:

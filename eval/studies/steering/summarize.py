@@ -5,7 +5,7 @@
 
 --paired: both on the ids both hold, and the accuracy difference with a paired bootstrap 95% interval.
 
-compliance: the answer starts with the option letter (eval/answers.py's leading_letter rule, the
+compliance: the answer starts with the option letter (fitting/answers.py's leading_letter rule, the
 format the prompt asks for); letter_stop: the answer is the letter, optionally followed by its
 choice's text, and nothing more (the "answer with the option letter, then stop" concept);
 explains: it starts with the letter and goes on past the choice's text by at least 4 words (the
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.records import read_records
+from fitting.records import read_records
 
 LETTER_ONLY = re.compile(r"^\W*\(?\**([A-E])\**[.):]?\s*(.*?)\W*$", re.DOTALL)
 

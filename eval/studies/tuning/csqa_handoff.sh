@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=results/tune/csqa-handoff
-[ -f $OUT/borrowed.json ] || .venv/bin/python -c 'from pathlib import Path; from eval.records import borrow
+[ -f $OUT/borrowed.json ] || .venv/bin/python -c 'from pathlib import Path; from fitting.records import borrow
 borrow(Path("results/tune/csqa-handoff"), Path("results/tune/csqa"),
        ["prompts__local.jsonl", "prompts__upstream.jsonl", "prompts__local,agree=4.jsonl"])'
 .venv/bin/python -m gateway tune --config results/tune/smollm2-qwen1.5b.yaml --alias routed \

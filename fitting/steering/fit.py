@@ -16,13 +16,11 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from llama_cpp import Llama
 
-from adapters.chat_template import ChatTemplate
+from adapters.hidden_states import HiddenStates
 from adapters.model_files import CATALOG, model_sha256, resolve_model
 from adapters.steering import SteeringVector
-from gateway.steering.capture import LayerStates
-from gateway.steering.prompts import Pair, prompt_tokens
+from fitting.steering.prompts import Pair, prompt_tokens
 
 Method = Literal["mean", "pca"]
 METHODS: tuple[Method, ...] = ("mean", "pca")
@@ -30,31 +28,23 @@ METHODS: tuple[Method, ...] = ("mean", "pca")
 
 @dataclass
 class ContrastModel:
-    """A local model opened for reading its layers: vocabulary, template and a capture context."""
+    """A local model opened for reading its layers (adapters.hidden_states), with the name it was opened by."""
 
     ref: str  # catalog name or GGUF path
-    llm: Llama
-    template: ChatTemplate
-    layers: LayerStates
+    capture: HiddenStates
 
     def pair_states(self, pairs: list[Pair]) -> tuple[np.ndarray, np.ndarray]:
         """float32 [pairs, n_layer, n_embd] for the positives, then the negatives (last tokens)."""
-        positive = [self.layers.states(prompt_tokens(self.llm, self.template, p.positive))[0] for p in pairs]
-        negative = [self.layers.states(prompt_tokens(self.llm, self.template, p.negative))[0] for p in pairs]
+        positive = [self.capture.states(prompt_tokens(self.capture, p.positive))[0] for p in pairs]
+        negative = [self.capture.states(prompt_tokens(self.capture, p.negative))[0] for p in pairs]
         return np.stack(positive), np.stack(negative)
 
 
 @contextlib.contextmanager
 def open_model(ref: str, n_threads: int = 1, n_ctx: int = 2048) -> Iterator[ContrastModel]:
     """The model `ref` (catalog name or GGUF path) opened for capture, closed on exit."""
-    llm = Llama(model_path=str(resolve_model(ref)), n_ctx=64, n_batch=64, n_threads=n_threads,
-                n_threads_batch=n_threads, verbose=False)
-    layers = LayerStates(llm, n_ctx, n_threads)
-    try:
-        yield ContrastModel(ref, llm, ChatTemplate.from_llama(llm), layers)
-    finally:
-        layers.close()
-        llm.close()
+    with HiddenStates(resolve_model(ref), n_threads, n_ctx) as capture:
+        yield ContrastModel(ref, capture)
 
 
 def directions(positive: np.ndarray, negative: np.ndarray, method: Method) -> np.ndarray:

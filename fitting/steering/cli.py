@@ -1,4 +1,6 @@
-"""`python -m gateway steer fit|report`: the steering commands, registered on the gateway's parser."""
+"""`python -m gateway steer fit|report`: the steering commands, registered on the gateway's parser
+(fitting/cli.py). The model loads only when a command runs: `--help` needs neither it nor the
+`fitting` extra."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from pathlib import Path
 
 from adapters.model_files import ModelFileError
 from adapters.steering import SteeringError
-from gateway.steering.prompts import PairsError, read_pairs
+from fitting.extras import MissingExtra, require
+from fitting.steering.prompts import PairsError, read_pairs
 
 REFERENCE = "qwen2.5-coder-0.5b-instruct"
 
@@ -32,6 +35,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     report.add_argument("--folds", type=int, default=5, help="cross-validation folds of pairs (default: 5)")
     report.add_argument("--limit", type=int, help="read only each file's first LIMIT pairs")
     report.add_argument("--out", required=True, help="directory for report.json and heatmap.png")
+    report.add_argument("--no-heatmap", dest="heatmap", action="store_false",
+                        help="write report.json only: no heatmap.png, which needs matplotlib (the fitting extra)")
     report.set_defaults(run=_report)
 
 
@@ -41,7 +46,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _fit(args: argparse.Namespace) -> int:
-    from gateway.steering.fit import fit, open_model
+    from fitting.steering.fit import fit, open_model
 
     try:
         pairs = read_pairs(args.pairs)
@@ -59,21 +64,23 @@ def _fit(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from gateway.steering.fit import open_model
-    from gateway.steering.report import Report, readout, table, write
+    from fitting.steering.fit import open_model
+    from fitting.steering.report import Report, readout, table, write
 
     if len(args.pairs) > 2:
         print("error: --pairs takes one or two concepts", file=sys.stderr)
         return 2
     try:
+        if args.heatmap:  # before the model loads: the picture is drawn last
+            require("matplotlib", "steer report's heatmap.png", instead="pass --no-heatmap")
         concepts = [(Path(path).stem, read_pairs(path)[:args.limit]) for path in args.pairs]
         with open_model(args.model, args.threads) as model:
             report = Report.of([readout(model, pairs, name, args.folds) for name, pairs in concepts])
-    except (PairsError, ModelFileError) as exc:
+    except (PairsError, ModelFileError, MissingExtra) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(table(report))
-    for path in write(report, args.out, {"local_model": args.model, "command": _command()}):
+    for path in write(report, args.out, {"local_model": args.model, "command": _command()}, heatmap=args.heatmap):
         print(f"wrote {path}")
     return 0
 
@@ -83,8 +90,8 @@ def _command() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m gateway.steering.cli steer ...`: the same commands without the gateway's parser."""
-    parser = argparse.ArgumentParser(prog="python -m gateway.steering.cli")
+    """`python -m fitting.steering.cli steer ...`: the same commands without the gateway's parser."""
+    parser = argparse.ArgumentParser(prog="python -m fitting.steering.cli")
     register(parser.add_subparsers(required=True))
     args = parser.parse_args(argv)
     return args.run(args)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from eval.analysis import steps
+from fitting.analysis import steps
 
 ORIENTATION = {"entropy": 1.0, "top1": -1.0, "margin": -1.0}  # +1: route above t; -1: route below t
 

@@ -21,14 +21,14 @@ from adapters.grammar import gbnf_for
 from adapters.local_model import ContextOverflow
 from adapters.memory_store import MemoryStore
 from adapters.store import Limits
-from eval.analysis import TeacherForcer
-from eval.answers import score
-from eval.configs import ConfigSpec
-from eval.datasets import Item
-from eval.oracle import Oracle, local_mismatches, reanchorer
-from eval.records import append_record, configs_in, datasets_in, read_records, records_path, write_json
-from eval.session import Models
-from eval.summary import summarize
+from fitting.analysis import TeacherForcer
+from fitting.answers import score
+from fitting.configs import ConfigSpec
+from fitting.datasets import Item
+from fitting.oracle import Oracle, local_mismatches, reanchorer
+from fitting.records import append_record, configs_in, datasets_in, read_records, records_path, write_json
+from fitting.session import Models
+from fitting.summary import summarize
 from gateway.decoding.cost_ceiling import CostCeiling, cost_ratio
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.tenancy.budget import HandoffGate, Ledger

@@ -1,4 +1,4 @@
-"""The files `python -m gateway tune` writes from a TuneResult (eval/tune.py): the fitted answer
+"""The files `python -m gateway tune` writes from a TuneResult (fitting/tune.py): the fitted answer
 check, tune.json, tune-report.md (held-out figures with intervals) and alias.yaml (the alias's
 routing, to paste into the config)."""
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 if TYPE_CHECKING:
-    from eval.tune import TuneOptions, TuneResult
+    from fitting.tune import TuneOptions, TuneResult
 
 LABELS = {"reference": "right or wrong against each prompt's reference",
           "agreement": "no prompt has a reference: an answer counts as correct when it agrees with the upstream-only "
@@ -21,7 +21,7 @@ LABELS = {"reference": "right or wrong against each prompt's reference",
 
 def write_outputs(result: TuneResult, options: TuneOptions) -> None:
     """Write the check (if one was fitted), tune.json, the report and the snippet into `options.out`."""
-    from eval.tune import CHECK_FILE, REPORT_FILE, RESULT_FILE, SNIPPET_FILE, save_result
+    from fitting.tune import CHECK_FILE, REPORT_FILE, RESULT_FILE, SNIPPET_FILE, save_result
 
     out = options.out
     out.mkdir(parents=True, exist_ok=True)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.steering.fit import ContrastModel, directions
-from gateway.steering.probe import held_out_accuracy, transfer_accuracy
-from gateway.steering.prompts import Pair
+from fitting.steering.fit import ContrastModel, directions
+from fitting.steering.probe import held_out_accuracy, transfer_accuracy
+from fitting.steering.prompts import Pair
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,9 @@ def table(report: Report) -> str:
     return "\n".join(lines)
 
 
-def heatmap(report: Report, path: str | Path) -> None:
-    """Write the picture (PNG) described in the module's docstring."""
+def draw_heatmap(report: Report, path: str | Path) -> None:
+    """Write the picture (PNG) described in the module's docstring. Needs matplotlib (the fitting
+    extra: fitting/extras.py)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,10 +130,13 @@ def heatmap(report: Report, path: str | Path) -> None:
     plt.close(figure)
 
 
-def write(report: Report, out_dir: str | Path, meta: dict) -> list[Path]:
-    """report.json and heatmap.png under `out_dir`; returns their paths."""
+def write(report: Report, out_dir: str | Path, meta: dict, heatmap: bool = True) -> list[Path]:
+    """report.json and, with `heatmap` (it needs matplotlib: the fitting extra), heatmap.png under
+    `out_dir`; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps({**meta, **summary(report)}, indent=1) + "\n")
-    heatmap(report, out / "heatmap.png")
+    if not heatmap:
+        return [out / "report.json"]
+    draw_heatmap(report, out / "heatmap.png")
     return [out / "report.json", out / "heatmap.png"]

@@ -32,8 +32,8 @@ import numpy as np
 
 from adapters.local_model import LocalModel
 from adapters.upstream import Upstream
-from eval.analysis import TeacherForcer
-from eval.datasets import Item
+from fitting.analysis import TeacherForcer
+from fitting.datasets import Item
 from policies import LOCAL, UPSTREAM, Decision, RoutingState, Signal
 from policies.base import PolicyDefaults
 

@@ -1,7 +1,7 @@
 """Train a learned router on an FS-GEN analysis and compare it with the fixed rules at equal share.
 
 Each answer position of the upstream's answers (teacher-forced through the local model, see
-eval/analysis.py) is one example: the features the decoder has at that step (policies/learned.py)
+fitting/analysis.py) is one example: the features the decoder has at that step (policies/learned.py)
 and the label "the local greedy token is not the upstream's" (mismatch). The model is an
 L2-regularised logistic regression fitted by Newton's method in numpy: a dozen features need no
 more, and the gateway serves it with one dot product. Score thresholds are fitted for target
@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from eval.analysis import auroc, reliability, steps
-from eval.calibrate import ORIENTATION
+from fitting.analysis import auroc, reliability, steps
+from fitting.calibrate import ORIENTATION
 from policies.base import Signal
 from policies.learned import FEATURES, Router, features
 

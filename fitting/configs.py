@@ -4,7 +4,7 @@
     upstream              upstream only: policy always with span = max_tokens, i.e. the large
                           model asked once for the whole answer, billed as a client would be
     oracle                route exactly the steps where the local greedy token differs from the
-                          upstream's (see eval/oracle.py)
+                          upstream's (see fitting/oracle.py)
     entropy@T, top1@T, margin@T, target_fraction@F
                           token-level routing with the gateway's own policies, span 1, no caps
     learned@S             the learned router (--router) at its threshold fitted for share S
@@ -88,7 +88,7 @@ class ConfigSpec:
     def policy_object(self, router: Router | None = None) -> Policy:
         """A fresh policy for one item (the oracle is built per item by the runner instead)."""
         if self.policy == "oracle":
-            raise ValueError("the oracle needs the item's reference; see eval.oracle")
+            raise ValueError("the oracle needs the item's reference; see fitting.oracle")
         if self.policy == "target_fraction":
             return build_policy("target_fraction", target_fraction=self.value, windows=self.windows,
                                 answer_value=self.answer_value)

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from eval.datasets import parse_rows
+from fitting.datasets import parse_rows
 
 SEP = "__"
 RUNS_DIR = Path(__file__).resolve().parent.parent / "results" / "runs"  # records apart from the harness

@@ -1,9 +1,9 @@
-"""Token-level router thresholds for a local model that has no router file (eval/tune.py).
+"""Token-level router thresholds for a local model that has no router file (fitting/tune.py).
 
 The entropy threshold that routes a given share of the local model's own answer steps, fitted on
 the fit rows: their recorded local answers are teacher-forced once more (as `python -m eval
 analyze --answers local` does, into the same file of the run, so a rerun reuses them) and the
-threshold is the share's quantile of the steps' entropies (eval/calibrate.py). A live decode
+threshold is the share's quantile of the steps' entropies (fitting/calibrate.py). A live decode
 follows its own text wherever it routes, so the share it routes on new prompts is measured, not
 assumed: `tune` decodes `entropy@T` on the choose and report rows.
 """
@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from adapters.model_files import model_sha256, resolve_model
-from eval.analysis import TeacherForcer
-from eval.calibrate import threshold_for_share
-from eval.datasets import Item
-from eval.records import analysis_path, append_record, read_records
+from fitting.analysis import TeacherForcer
+from fitting.calibrate import threshold_for_share
+from fitting.datasets import Item
+from fitting.records import analysis_path, append_record, read_records
 
 
 def analysed_local(run_dir: Path, dataset: str, items: list[Item], local: list[dict[str, Any]], local_ref: str,

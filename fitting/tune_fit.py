@@ -1,13 +1,13 @@
-"""What `python -m gateway tune` decides from recorded answers, without decoding (eval/tune.py runs it).
+"""What `python -m gateway tune` decides from recorded answers, without decoding (fitting/tune.py runs it).
 
-From the `local`, `upstream` and `local,agree=K` records of a run (eval/runner.py):
+From the `local`, `upstream` and `local,agree=K` records of a run (fitting/runner.py):
 - `relabel`: answers without a reference are labelled by agreement with the upstream-only answer
   (`correct` then means "agrees with upstream-only", and upstream-only is right by definition);
 - `candidates`: the routings an alias can serve with no file but the answer check fitted here:
   local only, the fitted check at the escalate_below it fitted for each share of the fit answers
   (`local,afresh=P`), and the agreement check at each level its k samples can take
   (`local,agree=K,afresh=P`); each candidate's records are derived as `python -m eval afresh`
-  derives them (eval/afresh.py: an answer asked afresh is the upstream-only record);
+  derives them (fitting/afresh.py: an answer asked afresh is the upstream-only record);
 - `choose`: the rule, fixed before any report row is looked at: on the choose rows, the most
   accurate candidate whose cost per correct answer is at most `max_cost_ratio` times upstream-only's
   (ties: the cheaper); local only if none is;
@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from eval.afresh import derived
-from eval.costs import PriceSheet
-from eval.datasets import Item
-from eval.prompts import labelled
-from eval.summary import bootstrap_ci, mcnemar_p, wilson_ci
+from fitting.afresh import derived
+from fitting.costs import PriceSheet
+from fitting.datasets import Item
+from fitting.prompts import labelled
+from fitting.summary import bootstrap_ci, mcnemar_p, wilson_ci
 from policies.agreement import same_answer
 from policies.answer_check import AnswerCheck
 

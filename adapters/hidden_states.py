@@ -6,22 +6,70 @@ A context created with an eval callback (llama_context_params.cb_eval) is asked,
 whether the caller wants a tensor and then handed it once computed, as llama.cpp's
 cvector-generator reads them. The callback copies the last row of each: the prompt's last token
 (the last layer keeps only the rows that output logits, and only the last token does here).
+
+`HiddenStates` is the seam: a GGUF opened for reading its layers, with the chat template and the
+tokenizer its prompts are rendered with. The fitting tools (`python -m gateway steer`, fitting/)
+use it and never reach llama.cpp's C interface or llama-cpp-python's internals themselves.
 """
 
 from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from types import TracebackType
+from typing import Self
 
 import llama_cpp
 import numpy as np
 from llama_cpp import Llama
 from llama_cpp import _internals as internals
 
+from adapters.chat_template import ChatTemplate
+from adapters.vocabulary import tokenize_parts
+
 LAYER_PREFIX = b"l_out-"
 FINAL_NORM = b"result_norm"
 GGML_TYPE_F32 = 0
 UBATCH = 512  # tokens per graph: bounds the compute buffers (the output layer's included)
+
+
+class HiddenStates:
+    """A GGUF opened to read, for a prompt, its last token's output at every layer (`states`).
+
+    Prompts are rendered with `template` (ChatTemplate.render_parts) and tokenized with
+    `tokenize_prompt` exactly as the gateway's local engine tokenizes them. Not thread-safe: one
+    prompt at a time. Close it, or use it as a context manager."""
+
+    def __init__(self, path: str | Path, n_threads: int = 1, n_ctx: int = 2048) -> None:
+        self._llm = Llama(model_path=str(path), n_ctx=64, n_batch=64, n_threads=n_threads,
+                          n_threads_batch=n_threads, verbose=False)
+        try:
+            self.template = ChatTemplate.from_llama(self._llm)
+            self._layers = LayerStates(self._llm, n_ctx, n_threads)
+        except BaseException:
+            self._llm.close()
+            raise
+        self.n_layer, self.n_embd, self.n_ctx = self._layers.n_layer, self._layers.n_embd, n_ctx
+
+    def tokenize_prompt(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """Tokens of a prompt from `template.render_parts` (adapters.vocabulary.tokenize_parts)."""
+        return tokenize_parts(self._llm, parts)
+
+    def states(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(float32 [n_layer, n_embd]: each layer's output at the last token, float32 [n_embd]: the
+        final norm's output there). Raises ValueError for a sequence that does not fit."""
+        return self._layers.states(tokens)
+
+    def close(self) -> None:
+        self._layers.close()
+        self._llm.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
 
 
 class _TensorHead(ctypes.Structure):

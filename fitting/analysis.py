@@ -20,7 +20,7 @@ from llama_cpp import Llama
 
 from adapters.chat_template import ChatTemplate
 from adapters.vocabulary import tokenize_parts
-from eval.datasets import Item
+from fitting.datasets import Item
 from gateway.decoding.signals import signal_of, token_kind
 
 POSITION_BUCKETS = ((0, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 128), (128, 256), (256, 100_000))

@@ -25,10 +25,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, get_args
 
-from eval.datasets import Item, load_items, parse_rows
+from fitting.datasets import Item, load_items, parse_rows
 from policies.agreement import AnswerFormat, answer_format, final_answer, same_answer
 
-DATASET = "prompts"  # the dataset name of a user's prompts in run directories and eval.answers.SCORERS
+DATASET = "prompts"  # the dataset name of a user's prompts in run directories and fitting.answers.SCORERS
 FORMATS = get_args(AnswerFormat)
 # Short answers by default: a letter and a few words; a worked number; a function; a paragraph.
 FORMAT_MAX_TOKENS = {"letter": 16, "number": 256, "code": 384, "text": 192, "auto": 192}

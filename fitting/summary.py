@@ -45,7 +45,7 @@ def upstream_written(record: dict[str, Any]) -> int:
     return record["upstream_tokens"] + record["cache_tokens"]
 
 
-JSON_RULES = ("json", "schema_invalid", "invalid_json")  # structured-output scoring (eval.answers)
+JSON_RULES = ("json", "schema_invalid", "invalid_json")  # structured-output scoring (fitting.answers)
 
 
 def json_rates(records: Sequence[dict[str, Any]]) -> dict[str, Any]:

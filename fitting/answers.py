@@ -43,7 +43,7 @@ from typing import Any
 
 import jsonschema
 
-from eval.datasets import Item
+from fitting.datasets import Item
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ def score_mbpp(item: Item, text: str, timeout_s: float = 10.0) -> Scored:
 # -- IFEval --
 
 def score_ifeval(item: Item, text: str) -> Scored:
-    from eval.ifeval_check import check_instructions
+    from fitting.ifeval_check import check_instructions
 
     results = check_instructions(text, item.meta["instruction_id_list"], item.meta["kwargs"], item.meta["prompt"])
     checked = {name: ok for name, ok in results.items() if ok is not None}
@@ -227,11 +227,11 @@ def score_gsm8k_json(item: Item, text: str) -> Scored:
     return Scored(reply["answer"], gold is not None and abs(reply["answer"] - gold) < 1e-6, "json")
 
 
-# -- a user's prompts (eval/prompts.py) --
+# -- a user's prompts (fitting/prompts.py) --
 
 def score_prompt(item: Item, text: str) -> Scored:
     """Right when the answer's final answer, read in the item's format, is its reference's."""
-    from eval.prompts import reference_pred
+    from fitting.prompts import reference_pred
 
     pred, correct = reference_pred(item, text)
     return Scored(pred, correct, "reference" if item.gold is not None else "no_reference")

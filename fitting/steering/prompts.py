@@ -10,12 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from llama_cpp import Llama
-
-from adapters.chat_template import ChatTemplate
-from adapters.vocabulary import tokenize_parts
+if TYPE_CHECKING:  # llama.cpp loads only when a model is opened: `steer --help` reads this module
+    from adapters.hidden_states import HiddenStates
 
 Side = str | list[dict[str, Any]]
 
@@ -59,8 +57,8 @@ def _side(value: Any) -> Side:
     raise TypeError("each side is a string or a list of {role, content} messages")
 
 
-def prompt_tokens(llm: Llama, template: ChatTemplate, side: Side) -> list[int]:
+def prompt_tokens(model: HiddenStates, side: Side) -> list[int]:
     """`side` rendered with the model's chat template and tokenized as the gateway tokenizes prompts."""
     messages = [{"role": "user", "content": side}] if isinstance(side, str) else side
     continues = messages[-1]["role"] == "assistant"
-    return tokenize_parts(llm, template.render_parts(messages, continue_final=continues))
+    return model.tokenize_prompt(model.template.render_parts(messages, continue_final=continues))

@@ -18,8 +18,8 @@ from adapters.model_files import model_sha256, resolve_model
 from adapters.steering import Steering
 from adapters.upstream import Upstream
 from adapters.upstream_server import UpstreamServer, forgetful_args
-from eval.costs import PriceSheet
-from eval.records import RECORDED_FLASH_ATTN
+from fitting.costs import PriceSheet
+from fitting.records import RECORDED_FLASH_ATTN
 from gateway.runtime import make_upstream
 from gateway.settings import LaunchSettings, UpstreamSettings
 from policies import Router

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from eval.learn import fit_logistic
+from fitting.learn import fit_logistic
 from policies.answer_check import AnswerCheck, AnswerStats
 
 BILLED = ("upstream_calls", "upstream_prompt_tokens", "upstream_completion_tokens", "upstream_cached_tokens",

@@ -83,6 +83,9 @@ def load_items(dataset: str, path: Path | None = None, rows: str | None = None) 
     if dataset == "humaneval":
         records = _humaneval_records(path)
     else:
+        if path is None and not (DATA_DIR / DEFAULT_FILES[dataset]).is_file():  # an installed package: no data/
+            raise FileNotFoundError(f"{dataset}'s data file {DEFAULT_FILES[dataset]} is not in {DATA_DIR} (the "
+                                    "repository's data/, which the package does not carry): pass its path")
         records = _read_jsonl(path or DATA_DIR / DEFAULT_FILES[dataset])
     items = [replace(loaders[dataset](index, record), row=index) for index, record in enumerate(records)]
     return items[parse_rows(rows)]

@@ -1,20 +1,20 @@
 """`python -m gateway tune`: fit an alias's answer-level routing to the user's own prompts.
 
-One code path with `python -m eval`: the prompts decode through eval's runner (eval/runner.py:
-the gateway's real decoder, the local model in-process, the alias's upstream over HTTP) into an
-eval run directory, resumably; the answer check is fitted as `eval answer-check` fits it
-(eval/afresh.py), candidates are derived as `eval afresh` derives them, and costs come from
-eval/costs.py. The steps:
+One code path with `python -m eval`: the prompts decode through the runner both use (fitting/runner.py:
+the gateway's real decoder, the local model in-process, the alias's upstream over HTTP) into a
+run directory as eval's, resumably; the answer check is fitted as `eval answer-check` fits it
+(fitting/afresh.py), candidates are derived as `eval afresh` derives them, and costs come from
+fitting/costs.py. The steps:
 
 1. decode `local`, `upstream` and `local,agree=K` answers of every fit, choose and report row
    (a progress bar with a time estimate; a rerun skips what is recorded);
 2. label each local answer: right or wrong against its reference, else by agreement with the
-   upstream-only answer (eval/tune_fit.py `relabel`; the report says which);
+   upstream-only answer (fitting/tune_fit.py `relabel`; the report says which);
 3. fit the answer check on the fit rows' local answers (stamped with the local model's sha256)
    and, with `handoff_shares`, entropy thresholds that route those shares of their steps
-   (eval/tune_thresholds.py), then decode `entropy@T` on the choose and report rows;
-4. choose on the choose rows, by a rule fixed before (eval/tune_fit.py `choose`);
-5. report the choice, local only and upstream-only on the report rows (eval/tune_report.py), and
+   (fitting/tune_thresholds.py), then decode `entropy@T` on the choose and report rows;
+4. choose on the choose rows, by a rule fixed before (fitting/tune_fit.py `choose`);
+5. report the choice, local only and upstream-only on the report rows (fitting/tune_report.py), and
    write the check file, tune.json, tune-report.md and alias.yaml (the alias's routing) to `out`.
 """
 
@@ -32,16 +32,16 @@ from tqdm import tqdm
 
 from adapters.model_files import model_sha256
 from adapters.upstream import prices_of
-from eval.afresh import confidences_of, fit
-from eval.analysis import auroc
-from eval.configs import ConfigSpec, parse_config
-from eval.costs import SHEETS_BY_NAME, PriceSheet, load_sheet
-from eval.datasets import MAX_TOKENS, Item, load_items, parse_rows
-from eval.prompts import DATASET, labelled, load_prompts, max_tokens
-from eval.records import append_invocation, read_records, records_path, write_json
-from eval.runner import RunPlan, pending, run
-from eval.session import ModelOptions, Models, open_models
-from eval.tune_fit import Choice, candidates, choose, figures, relabel
+from fitting.afresh import confidences_of, fit
+from fitting.analysis import auroc
+from fitting.configs import ConfigSpec, parse_config
+from fitting.costs import SHEETS_BY_NAME, PriceSheet, load_sheet
+from fitting.datasets import MAX_TOKENS, Item, load_items, parse_rows
+from fitting.prompts import DATASET, labelled, load_prompts, max_tokens
+from fitting.records import append_invocation, read_records, records_path, write_json
+from fitting.runner import RunPlan, pending, run
+from fitting.session import ModelOptions, Models, open_models
+from fitting.tune_fit import Choice, candidates, choose, figures, relabel
 from gateway.runtime import make_upstream
 from gateway.settings import Settings, SettingsError, load_settings
 from policies.answer_check import AnswerCheck
@@ -96,7 +96,7 @@ class TuneResult:
 def tune(options: TuneOptions) -> TuneResult:
     """Decode what is missing, fit, choose and report; write the files. SettingsError, ValueError
     (bad options, prompts or rows) and RuntimeError (the upstream failed: rerun to resume)."""
-    from eval.tune_report import write_outputs
+    from fitting.tune_report import write_outputs
 
     settings = load_settings(options.config)
     _check_alias(settings, options.alias)
@@ -150,7 +150,7 @@ def fit_thresholds(settings: Settings, options: TuneOptions, dataset: str, fit_i
     """Entropy thresholds for `options.handoff_shares` of the fit rows' local answer steps ({}: none asked)."""
     if not options.handoff_shares:
         return {}
-    from eval.tune_thresholds import analysed_local, entropy_thresholds
+    from fitting.tune_thresholds import analysed_local, entropy_thresholds
 
     local = read_records(records_path(options.out, dataset, "local"))
     gguf = settings.models.local[settings.aliases[options.alias].local].gguf
@@ -322,7 +322,7 @@ def _auroc(check: AnswerCheck, records: list[dict[str, Any]]) -> float:
 
 
 def routing_for(name: str, options: TuneOptions, fitted: bool) -> dict[str, Any]:
-    """The alias's `routing:` that serves candidate `name` (eval config names, eval/tune_fit.py)."""
+    """The alias's `routing:` that serves candidate `name` (eval config names, fitting/tune_fit.py)."""
     spec = parse_config(name)
     if spec.policy == "entropy":
         return {"policy": "entropy", "threshold": spec.value}
