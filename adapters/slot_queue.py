@@ -4,10 +4,11 @@ A request may decode several sequences at once (its `n` choices, an agreement ch
 Handed out first come, first served, one such request could hold every sequence and queue dozens
 more, and every other request would wait behind all of them. So free sequences go instead:
 
-1. to a waiter whose request holds none yet before one whose request already holds some: the
-   last free sequence is kept for a request that holds none (a request's extra sequences take a
-   sequence only while another stays free), so a newcomer starts at once unless every sequence is
-   held by a different request's first;
+1. to a waiter whose request holds none yet before one whose request already holds some. A
+   request's extra sequences take one only while the engine has no other request (none holds a
+   sequence or waits for one) and another sequence stays free: so a request decodes one answer at a
+   time beside others, and a newcomer starts at once unless every sequence is held by a different
+   request's first;
 2. among those, to the tenant holding fewest sequences, then the request holding fewest, then
    the earliest.
 
@@ -103,7 +104,14 @@ class SlotQueue:
             waiter.granted.set_result(slot)
 
     def _may_take(self, claim: Claim) -> bool:
-        return self._size - self.held >= 2 or not self._holding(claim.request)
+        if not self._holding(claim.request):
+            return True
+        return self._size - self.held >= 2 and not self._others_active(claim.request)
+
+    def _others_active(self, request: str) -> bool:
+        """Whether another request holds a slot or waits for one."""
+        return any(claim.request != request for claim in self._holders.values()) or \
+            any(waiter.claim.request != request for waiter in self._waiting)
 
     def _rank(self, waiter: _Waiter) -> tuple[int, int]:
         holders = self._holders.values()

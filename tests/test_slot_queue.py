@@ -84,3 +84,13 @@ async def test_a_waiter_cancelled_before_or_after_its_grant_leaves_no_slot_held(
     late.cancel()
     await asyncio.gather(late, return_exceptions=True)
     assert queue.held == 0 and (await granted(queue, Claim())).done()
+
+
+async def test_a_requests_extras_wait_while_another_request_holds_a_slot():
+    queue, heavy = SlotQueue(4, queue_limit=16), Claim("a", "heavy")
+    first, other = await granted(queue, heavy), await granted(queue, Claim("b", "other"))
+    extra = await granted(queue, heavy)
+    assert first.done() and other.done() and not extra.done() and queue.held == 2  # two slots stay free
+    queue.give_back(other.result())
+    await asyncio.sleep(0)
+    assert extra.done()  # alone again: it takes the batch
