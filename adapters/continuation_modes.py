@@ -11,6 +11,10 @@
 - chat_prefix:   chat with a trailing assistant message marked `prefix: true` (DeepSeek, Mistral).
 - chat_fallback: chat-only providers: ask to continue exactly, then strip any echoed overlap.
 
+A chat reply is joined to the answer so that words stay whole (`ChatMode.join`): a server that
+prefills the answer (llama-server) sends it back before the continuation, and a reply that starts
+a message of its own has lost the space its first word had (`restore_space`).
+
 A mode builds hand-offs and makes the one litellm call of each; the `Upstream` around it owns
 retries, the circuit breaker, cache isolation, usage and prices.
 """
@@ -172,7 +176,20 @@ class ChatMode(TextMode):
         return [{"role": "assistant", "content": answer}]
 
     def text(self, handoff: Handoff, response: Any) -> str:
-        return response.choices[0].message.content or ""
+        """The text the reply adds to the partial answer, joined as `join` says."""
+        return self.join(split(handoff)[1], response.choices[0].message.content or "")
+
+    def join(self, answer: str, reply: str) -> str:
+        """What `reply` adds to `answer`: a server that prefills the answer (llama-server) sends it
+        back first, the continuation after it."""
+        return reply[len(answer):] if answer and reply.startswith(answer) else reply
+
+    def tokens(self, text: str) -> int:
+        """Tokens of `text` as the provider counts them: the upstream's own vocabulary where known,
+        else litellm's tokenizer for the model (OpenAI's where it has none of its own)."""
+        if self._vocab is not None:
+            return len(self._vocab.text_ids(text.encode("utf-8")))
+        return litellm().token_counter(model=self._model, text=text)
 
 
 class ChatContinueMode(ChatMode):
@@ -183,13 +200,23 @@ class ChatPrefixMode(ChatMode):
     def answer_messages(self, answer: str) -> list[dict[str, Any]]:
         return [{"role": "assistant", "content": answer, "prefix": True}]
 
+    def join(self, answer: str, reply: str) -> str:
+        """An echo of the answer dropped; a reply that does not repeat the answer may have lost the
+        space before its first word (`restore_space`)."""
+        continuation = super().join(answer, reply)
+        return continuation if continuation != reply else restore_space(answer, reply, self.tokens)
+
 
 class ChatFallbackMode(ChatMode):
     def answer_messages(self, answer: str) -> list[dict[str, Any]]:
         return [{"role": "assistant", "content": answer}, {"role": "user", "content": FALLBACK_INSTRUCTION}]
 
-    def text(self, handoff: Handoff, response: Any) -> str:
-        return strip_echo(split(handoff)[1], super().text(handoff, response))
+    def join(self, answer: str, reply: str) -> str:
+        """Any echo dropped (`strip_echo`: what follows an echo carries the reply's own word
+        boundary); a reply that repeats nothing starts a message of its own, so the space before
+        its first word is restored."""
+        continuation = strip_echo(answer, reply)
+        return continuation if continuation != reply else restore_space(answer, reply, self.tokens)
 
 
 ContinuationMode = TokensMode | CompletionsMode | ChatMode
@@ -234,10 +261,65 @@ def cache_hints(model: str, messages: list[dict[str, Any]], key: str) -> tuple[l
 
 
 def strip_echo(answer: str, text: str, min_overlap: int = 4) -> str:
-    """Drop the start of `text` that repeats the end of `answer` (chat-only providers echo it)."""
+    """Drop the start of `text` that repeats the end of `answer` (chat-only providers echo it): at
+    least `min_overlap` characters, or whole words ("the" in "Save the" + "the file"). A `text`
+    that is the start of `answer` is an echo cut short by the span: it adds nothing (a chat model
+    asked to continue often answers again from the start)."""
+    if answer.startswith(text):
+        return ""
     if text.startswith(answer) and answer:
         return text[len(answer):]
-    for size in range(min(len(answer), len(text)), min_overlap - 1, -1):
-        if answer.endswith(text[:size]):
+    for size in range(min(len(answer), len(text)), 0, -1):
+        if answer.endswith(text[:size]) and (size >= min_overlap or whole_words(answer, text, size)):
             return text[size:]
     return text
+
+
+def whole_words(answer: str, text: str, size: int) -> bool:
+    """Whether the first `size` characters of `text`, which end `answer`, are whole words in both."""
+    start = len(answer) - size
+    starts = not text[0].isspace() and (start == 0 or answer[start - 1].isspace())
+    return starts and (size == len(text) or not text[size].isalnum())
+
+
+SENTENCE_MARKS = ".,;:!?)]}"  # after these a new word takes a space (`carries_on` says when not)
+
+
+def restore_space(answer: str, reply: str, tokens: Callable[[str], int]) -> str:
+    """`reply` as the continuation of `answer`, when the reply started a message of its own.
+
+    A chat model starts its reply with the first token of a new message, without the leading space
+    its first word carries inside a text ("The" + "computer user"). So where the answer ends in a
+    letter, digit or closing mark and the reply starts with a letter or digit, the space comes back
+    unless the reply carries on the answer's last word (`one_word`, `carries_on`). A reply that
+    starts with whitespace or punctuation, and one after whitespace, an opening mark, a quote or a
+    hyphen, is kept as sent.
+    """
+    if not answer or not reply or answer[-1].isspace() or not reply[0].isalnum():
+        return reply
+    tail, head = answer.split()[-1], reply.split()[0]
+    if tail[-1].isalnum():
+        return reply if one_word(tail, head, tokens) else " " + reply
+    if tail[-1] in SENTENCE_MARKS:
+        return reply if carries_on(tail, head) else " " + reply
+    return reply
+
+
+def one_word(tail: str, head: str, tokens: Callable[[str], int]) -> bool:
+    """Whether `head` is the rest of the word `tail` ends with: the provider's tokenizer reads them
+    as one word (gluing them takes fewer tokens than parting them: "Par" + "is", "photos" +
+    "ynthesis"); a capital starts a new word unless it carries on a word in capitals ("NAS" + "A")."""
+    if head[0].isupper() and not (tail.isupper() and sum(c.isalpha() for c in tail) > 1):
+        return False
+    return tokens(f" {tail}{head}") < tokens(f" {tail} {head}")
+
+
+def carries_on(tail: str, head: str) -> bool:
+    """Whether `head` carries on after the mark `tail` ends with: the digits of one number ("3." +
+    "5", "1," + "000") or a name after a dot ("os.path." + "join"), not a list's letter ("B." +
+    "supermarket") or an abbreviation ("e.g." + "the")."""
+    mark, before = tail[-1], tail[:-1]
+    if mark in ".," and before[-1:].isdigit() and head[0].isdigit():
+        return True
+    name = before.rsplit(".", 1)[-1]
+    return mark == "." and head[0].islower() and len(name) > 1 and name.isidentifier()
