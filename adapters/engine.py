@@ -9,9 +9,10 @@ a long prompt never stalls the others. A sequence waiting for its upstream submi
 leaves the batch, saying so with `pause()`) and its KV entries stay where they are.
 
 Sequences are shared fairly between requests (adapters/slot_queue.py): a request's extra sequences
-(its other choices, an agreement check's samples) never take the last free slot, and while several
-requests have a sequence ready each step decodes one of each request's, so a request of sixteen
-answers slows the others no more than a request of one.
+(its other choices, an agreement check's samples) take a slot only while no other request holds or
+waits for one, never the last free one, and while several requests have a sequence ready each step
+decodes one of each request's, so a request of sixteen answers slows the others no more than a
+request of one.
 
 Finished sequences keep their tokens: a new request takes the free slot that shares the longest
 prefix with its prompt, and a longer prefix held by any other sequence (a common system prompt)
