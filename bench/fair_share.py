@@ -7,10 +7,11 @@ Run: .venv/bin/python -m bench.fair_share [--model smollm2-135m-instruct] [--hea
 One gateway (`python -m gateway serve`, local-only alias, memory store, `--parallel` sequences, the
 embedded queue limit of 16). The small requests are sent one after another, greedy, distinct
 questions: first alone, then while the heavy request (n 2, agreement samples 8 at temperature 2,
-`--heavy-tokens` each) decodes. Prints each phase's median and slowest latency, their ratios to the
-lone phase, and how many small requests were refused. Target: the median within 2x of alone, none
-refused. Before the fair share (security round four) the same heavy request queued its 16 answers
-ahead of everyone: other tenants got 503 or waited 38 s instead of 0.1-0.7 s.
+`--heavy-tokens` each) decodes, and beside one ordinary request of one such answer (the floor: a
+step of two sequences against a step of one). Prints each phase's median and slowest latency, their
+ratios to the lone phase, and how many small requests were refused. Target: the median within 2x
+of alone, none refused. Before the fair share (security round four) the same heavy request queued
+its 16 answers ahead of everyone: other tenants got 503 or waited 38 s instead of 0.1-0.7 s.
 """
 
 from __future__ import annotations
@@ -55,21 +56,35 @@ def small_requests(base: str, count: int, tokens: int) -> tuple[list[float], int
     return latencies, refused
 
 
-def heavy_request(base: str, tokens: int, done: threading.Event, took: list[float]) -> None:
-    """The heaviest agreement request; appends its wall time to `took`, then sets `done`."""
+STORY = [{"role": "user", "content": "Tell me a long story about a dragon."}]
+AGREEMENT = {"answer_check": {"kind": "agreement", "samples": 8, "temperature": 2.0, "format": "text"}}
+
+
+def background(base: str, body: dict, done: threading.Event, took: list[float]) -> None:
+    """Send `body` as the heavy tenant; append its wall time to `took`, then set `done`."""
     start = time.perf_counter()
-    body = {"model": "local", "max_tokens": tokens, "n": 2, "temperature": 0,
-            "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
-            "routing": {"answer_check": {"kind": "agreement", "samples": 8, "temperature": 2.0, "format": "text"}}}
     httpx.post(f"{base}/v1/chat/completions", json=body, timeout=3600,
                headers={"Authorization": f"Bearer {HEAVY_KEY}"}).raise_for_status()
     took.append(time.perf_counter() - start)
     done.set()
 
 
+def beside(base: str, body: dict, args: argparse.Namespace) -> tuple[list[float], int, bool, float]:
+    """The small requests while `body` decodes: their latencies, refusals, whether `body` was still
+    decoding when the last was answered, and `body`'s own wall time."""
+    done, took = threading.Event(), []
+    worker = threading.Thread(target=background, args=(base, body, done, took))
+    worker.start()
+    time.sleep(1.0)  # its answers are decoding and queued
+    latencies, refused = small_requests(base, args.small, args.small_tokens)
+    overlapped = not done.is_set()
+    worker.join()
+    return latencies, refused, overlapped, took[0]
+
+
 def report(name: str, latencies: list[float], refused: int, alone: float) -> None:
     median, slowest = statistics.median(latencies), max(latencies)
-    print(f"{name:<14} median {median:6.3f} s ({median / alone:4.2f}x)  slowest {slowest:6.3f} s "
+    print(f"{name:<16} median {median:6.3f} s ({median / alone:4.2f}x)  slowest {slowest:6.3f} s "
           f"({slowest / alone:4.2f}x)  refused {refused}/{len(latencies)}")
 
 
@@ -81,27 +96,27 @@ def main() -> None:
     parser.add_argument("--small-tokens", type=int, default=16)
     parser.add_argument("--parallel", type=int, default=4)
     args = parser.parse_args()
+    ordinary = {"model": "local", "max_tokens": args.heavy_tokens, "temperature": 0, "messages": STORY}
+    heaviest = {**ordinary, "n": 2, "routing": AGREEMENT}
     with tempfile.TemporaryDirectory() as tmp, \
             live_gateway(config(args.model, args.parallel), Path(tmp), env={"BENCH_HEAVY_KEY": HEAVY_KEY}) as gateway:
-        small_requests(gateway.base_url, 2, args.small_tokens)  # warm
-        alone, refused_alone = small_requests(gateway.base_url, args.small, args.small_tokens)
+        base = gateway.base_url
+        small_requests(base, 2, args.small_tokens)  # warm
+        alone, refused_alone = small_requests(base, args.small, args.small_tokens)
         heavy_alone: list[float] = []
-        heavy_request(gateway.base_url, args.heavy_tokens, threading.Event(), heavy_alone)
-        done, heavy_beside = threading.Event(), []
-        worker = threading.Thread(target=heavy_request, args=(gateway.base_url, args.heavy_tokens, done, heavy_beside))
-        worker.start()
-        time.sleep(1.0)  # its answers are decoding and queued
-        beside, refused_beside = small_requests(gateway.base_url, args.small, args.small_tokens)
-        overlapped = not done.is_set()
-        worker.join()
-    base = statistics.median(alone)
-    print(f"small requests: {args.small} x {args.small_tokens} tokens; heavy: n 2 x 8 answers x "
-          f"{args.heavy_tokens} tokens; {args.parallel} sequences")
-    report("alone", alone, refused_alone, base)
-    report("beside heavy", beside, refused_beside, base)
-    print(f"heavy request still decoding when the last small one was answered: {overlapped}")
-    print(f"heavy request: {heavy_alone[0]:.1f} s alone, {heavy_beside[0]:.1f} s beside the small ones "
-          f"({heavy_beside[0] / heavy_alone[0]:.2f}x)")
+        background(base, heaviest, threading.Event(), heavy_alone)
+        one = beside(base, ordinary, args)
+        heavy = beside(base, heaviest, args)
+    lone = statistics.median(alone)
+    print(f"small requests: {args.small} x {args.small_tokens} tokens; ordinary: one answer of {args.heavy_tokens} "
+          f"tokens; heaviest: n 2 x 8 answers x {args.heavy_tokens} tokens; {args.parallel} sequences")
+    report("alone", alone, refused_alone, lone)
+    report("beside ordinary", one[0], one[1], lone)
+    report("beside heaviest", heavy[0], heavy[1], lone)
+    print(f"the other request still decoding when the last small one was answered: ordinary {one[2]}, "
+          f"heaviest {heavy[2]}")
+    print(f"heaviest request: {heavy_alone[0]:.1f} s alone, {heavy[3]:.1f} s beside the small ones "
+          f"({heavy[3] / heavy_alone[0]:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ class Escalation:
         """The upstream's answer to the prompt alone, in one call; the answer is emptied for it to be
         appended. None (the answer stands) when the call fails, is refused, or, if `bounded`, would
         pass the cost ceiling."""
-        request, usage = self._request, self._usage
+        usage = self._usage
         handoff = self._upstream.with_answer(self.handoff, "")
         span = self._answer.handoff_span(self._answer.limit)
         hold = self._hold_afresh(handoff, span, bounded)
