@@ -91,7 +91,9 @@ class Slot:
     freed_at: float = 0.0
     held_scope: str = ""  # the cache scope whose tokens `held` are (engine thread)
     guess: "_Job | None" = None  # a speculative job evaluated and not yet confirmed (engine thread)
-    claim: Claim = field(default_factory=Claim)  # whose request holds it (or last held it)
+    # whose request holds it (or last held it): the engine thread's copy of what the event loop's
+    # SlotQueue records, read by each step's turns
+    claim: Claim = field(default_factory=Claim)
 
 
 @dataclass(eq=False)
@@ -247,7 +249,8 @@ class Engine:
             ready = self._turn([job for job in active if job.todo is not None])
             if ready:
                 try:
-                    active = self._step(ready) + [job for job in active if job not in ready]
+                    stepped = set(map(id, ready))
+                    active = self._step(ready) + [job for job in active if id(job) not in stepped]
                 except Exception as exc:  # noqa: BLE001 - the loop must outlive one bad step
                     for job in active:
                         llama_cpp.llama_memory_seq_rm(self._memory, job.slot.id, -1, -1)  # state unknown
@@ -262,11 +265,12 @@ class Engine:
         """The jobs this step decodes: all that are ready, except that while several requests have
         one ready, each request decodes one of its sequences per step (in turn), so a request of
         many answers slows the others no more than a request of one would (adapters/slot_queue.py)."""
+        first = ready[0].slot.claim.request if ready else None
+        if all(job.slot.claim.request == first for job in ready):  # the usual step: nothing to share
+            return ready
         by_request: dict[str, list[_Job]] = {}
         for job in ready:
             by_request.setdefault(job.slot.claim.request, []).append(job)
-        if len(by_request) < 2:
-            return ready
         return [jobs[self.steps % len(jobs)] for jobs in by_request.values()]
 
     def _admit(self, job: _Job, active: list[_Job]) -> None:

@@ -13,6 +13,7 @@ class UpstreamUnavailable(Exception):
     """The upstream failed, timed out, or its circuit breaker is open."""
 
     reason = "upstream_unavailable"
+    final = False  # True: the same request's next call would fare no better, so it asks nothing more
 
 
 class UpstreamRejected(UpstreamUnavailable):
@@ -20,15 +21,16 @@ class UpstreamRejected(UpstreamUnavailable):
     not retried, not held against the upstream, and the same request would be refused again."""
 
     reason = "upstream_rejected"
+    final = True
 
 
-class UpstreamFailedRequest(UpstreamRejected):
+class UpstreamFailedRequest(UpstreamUnavailable):
     """The upstream answered a 5xx to a call that carried values the client chose (see
-    `failure_of`), retries included: possibly this request's own fault, so, as a refusal, it is not
-    held against the upstream and the request asks it nothing more; but the client is told the
-    upstream failed (`upstream_unavailable`, a 502 to a passed-through request), not that it refused."""
+    `failure_of`), retries included: possibly this request's own fault, so it is not held against
+    the upstream and the request asks it nothing more; the client is told the upstream failed
+    (`upstream_unavailable`, a 502 to a passed-through request)."""
 
-    reason = "upstream_unavailable"
+    final = True
 
 
 class UpstreamBusy(UpstreamUnavailable):
@@ -36,6 +38,7 @@ class UpstreamBusy(UpstreamUnavailable):
     and a request that met this asks it nothing more."""
 
     reason = "upstream_busy"
+    final = True
 
 
 def status_of(exc: BaseException) -> int | None:

@@ -54,14 +54,14 @@ class Decoding:
         is parsed): build it off the event loop."""
         self.local, self.upstream, self.gate, self.request = local, upstream, gate, request
         self.prompt_tokens: list[int] = _prompt_tokens(local, request) if prompt_tokens is None else prompt_tokens
-        self.limit = min(request.max_tokens, local.n_ctx - len(self.prompt_tokens))  # answer tokens
         self.usage = RoutingUsage(policy=request.policy.name)
         handoff = _first_handoff(upstream, request, gate.cache_scope)
         self.calls = HandoffCalls(upstream, gate, self.usage, request, closed=handoff is None)
         if request.ceiling is not None and handoff is not None and not request.ceiling.prompt_tokens:
             request.ceiling.prompt_tokens = upstream.estimate_prompt_tokens(handoff)
         grammar = local.grammar(request.grammar) if request.grammar else None
-        self.answer = Answer(local, self.limit, request.stop, grammar)
+        limit = min(request.max_tokens, local.n_ctx - len(self.prompt_tokens))  # answer tokens
+        self.answer = Answer(local, limit, request.stop, grammar)
         self._steps = LocalSteps(local, self.prompt_tokens, request, self.answer)
         self._routing = Routing(request, upstream, gate, self.calls, self.usage, self.answer, len(self.prompt_tokens))
         self._escalation = Escalation(request, upstream, self.calls, self.usage, self.answer, handoff)
@@ -73,6 +73,11 @@ class Decoding:
         self._routed: Guess | None = None  # a guessed step the policy routed: the next step, decided already
 
     # the answer, as the API, the evaluation and the metrics read it
+
+    @property
+    def limit(self) -> int:
+        """The most answer tokens: max_tokens, within what the context leaves after the prompt."""
+        return self.answer.limit
 
     @property
     def answer_tokens(self) -> list[int]:

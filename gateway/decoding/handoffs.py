@@ -20,8 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from adapters.store import Billed, Reservation
-from adapters.upstream import Continuation, Continuations, Handoff, UpstreamRejected, UpstreamUnavailable
-from adapters.upstream_errors import UpstreamBusy
+from adapters.upstream import Continuation, Continuations, Handoff, UpstreamUnavailable
 from gateway.decoding.spans import cut_span
 from gateway.decoding.values import CACHE, UPSTREAM, DecodeRequest, RoutingUsage, Written
 from gateway.tenancy.budget import RESERVATION_MARGIN_S, billed
@@ -143,8 +142,7 @@ class HandoffCalls:
             await asyncio.shield(self.gate.release(reservation))
             log.warning("hand-off decoded locally: %s", exc)
             self.usage.degrade(exc.reason)
-            if isinstance(exc, (UpstreamRejected, UpstreamBusy)):  # the next call would fare no better
-                self.closed = True
+            self.closed = self.closed or exc.final
             return None
         except BaseException:
             self.gate.finish_in_background(reservation, call, lambda done: self.gate.settle(reservation, billed(done)))

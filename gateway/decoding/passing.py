@@ -13,7 +13,7 @@ from typing import Any
 
 from adapters.store import Billed, Reservation
 from adapters.upstream import Upstream, UpstreamRejected, UpstreamUnavailable
-from adapters.upstream_errors import UpstreamBusy, UpstreamFailedRequest, status_of
+from adapters.upstream_errors import UpstreamBusy, status_of
 from gateway.decoding.handoffs import Gate
 from gateway.wire.errors import GatewayError, InvalidRequest, Overloaded
 from gateway.wire.schemas import ChatCompletionRequest
@@ -119,9 +119,6 @@ class Passing:
         call = asyncio.ensure_future(self.upstream.whole.chat(params, self.gate.cache_scope))
         try:
             return await asyncio.shield(call)  # a client that leaves leaves the call running, to be billed
-        except UpstreamFailedRequest as exc:  # before UpstreamRejected, which it extends: a 502, not a 400
-            await asyncio.shield(self.gate.release(self.reservation))
-            raise self._unavailable(exc) from exc
         except UpstreamRejected as exc:
             await asyncio.shield(self.gate.release(self.reservation))
             raise InvalidRequest(f"the upstream refused the request: {exc}", param=self.blocker.param) from exc

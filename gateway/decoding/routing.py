@@ -49,15 +49,15 @@ class Routing:
 
     def decide(self, signal: Signal) -> Decision:
         """The step's decision: the policy's, or LOCAL where the request does not allow it."""
-        calls, usage, mid_character = self._calls, self._usage, self._answer.text.mid_character
-        if usage.escalated and not calls.closed and not mid_character:
+        calls, usage, text = self._calls, self._usage, self._answer.text
+        if usage.escalated and not calls.closed and not text.mid_character:
             return UPSTREAM_STEP  # the upstream writes the rest
         wanted = self._request.policy.decide(signal, self._state())
         if wanted.vetoed == "budget" and not calls.closed:
             usage.degrade("budget_exhausted")
         elif wanted.vetoed == "price" and self.may_route:
             usage.price_vetoes += 1
-        if not wanted.upstream or calls.closed or mid_character:
+        if not wanted.upstream or calls.closed or text.mid_character:  # read only where it decides
             return LOCAL_STEP
         if not self._upstream.available:
             usage.degrade("upstream_unavailable")
