@@ -160,6 +160,7 @@ class ChatMode(TextMode):
     documents (`answer_messages`), with its cache hints."""
 
     extra_body: ClassVar[dict[str, Any]] = {}  # what the mode adds to a call that carries an answer
+    restores_space: ClassVar[bool] = False  # whether `join` may put back a space the reply dropped
 
     def __init__(self, neutral: Callable[[str], str], vocab: Vocabulary | None, model: str) -> None:
         super().__init__(neutral, vocab)
@@ -180,8 +181,16 @@ class ChatMode(TextMode):
         return self.join(split(handoff)[1], response.choices[0].message.content or "")
 
     def join(self, answer: str, reply: str) -> str:
-        """What `reply` adds to `answer`: a server that prefills the answer (llama-server) sends it
-        back first, the continuation after it."""
+        """What `reply` adds to `answer`: any echo of the answer dropped (`strip`); where a mode's
+        reply may start a message of its own (`restores_space`) and repeated nothing, the space
+        before its first word is restored."""
+        continuation = self.strip(answer, reply)
+        if continuation != reply or not self.restores_space:
+            return continuation
+        return restore_space(answer, reply, self.tokens)
+
+    def strip(self, answer: str, reply: str) -> str:
+        """`reply` without the answer it repeats first (llama-server sends back a prefilled answer)."""
         return reply[len(answer):] if answer and reply.startswith(answer) else reply
 
     def tokens(self, text: str) -> int:
@@ -197,26 +206,21 @@ class ChatContinueMode(ChatMode):
 
 
 class ChatPrefixMode(ChatMode):
+    restores_space = True  # a reply that does not repeat the answer may have lost the space before it
+
     def answer_messages(self, answer: str) -> list[dict[str, Any]]:
         return [{"role": "assistant", "content": answer, "prefix": True}]
 
-    def join(self, answer: str, reply: str) -> str:
-        """An echo of the answer dropped; a reply that does not repeat the answer may have lost the
-        space before its first word (`restore_space`)."""
-        continuation = super().join(answer, reply)
-        return continuation if continuation != reply else restore_space(answer, reply, self.tokens)
-
 
 class ChatFallbackMode(ChatMode):
+    restores_space = True  # a reply that repeats nothing starts a message of its own
+
     def answer_messages(self, answer: str) -> list[dict[str, Any]]:
         return [{"role": "assistant", "content": answer}, {"role": "user", "content": FALLBACK_INSTRUCTION}]
 
-    def join(self, answer: str, reply: str) -> str:
-        """Any echo dropped (`strip_echo`: what follows an echo carries the reply's own word
-        boundary); a reply that repeats nothing starts a message of its own, so the space before
-        its first word is restored."""
-        continuation = strip_echo(answer, reply)
-        return continuation if continuation != reply else restore_space(answer, reply, self.tokens)
+    def strip(self, answer: str, reply: str) -> str:
+        """Any echo dropped (`strip_echo`): what follows an echo carries the reply's own word boundary."""
+        return strip_echo(answer, reply)
 
 
 ContinuationMode = TokensMode | CompletionsMode | ChatMode
