@@ -72,9 +72,7 @@ def check_json(value: Any, max_depth: int, path: str = "") -> None:
         if isinstance(item, str):
             _check_text(item, where)
         elif isinstance(item, (int, float)) and not abs(item) <= sys.float_info.max:  # NaN compares False
-            name = f"'{quoted(where)}'" if where else "the request body"
-            raise InvalidRequest(f"{name} is NaN, infinite or past a 64-bit float's range: not a number upstreams "
-                                 "read", param=quoted(where) if where else None)
+            raise _refused(where, "is NaN, infinite or past a 64-bit float's range: not a number upstreams read")
         elif isinstance(item, dict):
             for key, child in item.items():
                 _check_text(key, where)
@@ -98,6 +96,11 @@ def _check_text(text: str, where: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        name = f"'{quoted(where)}'" if where else "the request body"
-        raise InvalidRequest(f"{name} holds a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x}), which is not "
-                             "valid Unicode text", param=quoted(where) if where else None) from exc
+        raise _refused(where, f"holds a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x}), which is not valid "
+                       "Unicode text") from exc
+
+
+def _refused(where: str, problem: str) -> InvalidRequest:
+    """The 400 for a value at `where` (quoted as far as errors quote; empty: the whole body)."""
+    name = f"'{quoted(where)}'" if where else "the request body"
+    return InvalidRequest(f"{name} {problem}", param=quoted(where) if where else None)
