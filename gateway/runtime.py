@@ -225,7 +225,7 @@ def check_routing(settings: Settings, routers: Mapping[str, Router | None]) -> l
         if problem:
             raise SettingsError(f"aliases.{name}: {problem}")
         for tenant in settings.tenants:
-            if tenant.routing is None or (tenant.aliases is not None and name not in tenant.aliases):
+            if tenant.routing is None or not tenant.may_use(name):
                 continue
             problem = _routing_problem(alias.routing, tenant.routing, routers[name], priced)
             if problem:

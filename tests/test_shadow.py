@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from adapters.memory_store import MemoryStore
-from gateway.settings import RoutingOverride, RoutingSettings, Settings, SettingsError, load_settings
+from gateway.settings import RoutingOverride, RoutingSettings, Settings, SettingsError, TenantSettings, load_settings
 from gateway.shadow.cases import ShadowCase, case_of, changes_routing, cut_at_stop
 from gateway.settings.shadow import KnobSettings, OperatorShadowSettings, TenantShadow
 from gateway.shadow.controller import KnobController
@@ -35,9 +35,9 @@ STEERED = {**SHADOWED, "quality_target": 0.8,
            "knob": {"field": "threshold", "floor": 1.0, "ceiling": 4.0, "step": 0.5, "window": 5, "dead_band": 0.05}}
 
 
-def tenant_settings(**changes) -> SimpleNamespace:
-    """A tenant's settings as the shadow service reads them: every alias, data may leave, no overrides."""
-    return SimpleNamespace(**{"aliases": None, "allow_upstream": True, "shadow": None, "routing": None, **changes})
+def tenant_settings(**changes) -> TenantSettings:
+    """A tenant's settings: every alias, data may leave, no overrides, unless `changes` say otherwise."""
+    return TenantSettings(**{"id": "t", "api_key_env": "T_KEY", **changes})
 
 
 def make_shadow(routing: dict, upstream: FakeUpstream | None = None, store: MemoryStore | None = None,

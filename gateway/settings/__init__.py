@@ -369,6 +369,10 @@ class TenantSettings(Strict):
     shadow: TenantShadow | None = Field(None, description="Shadow answers for this tenant: off (none of its "
                                         "requests) or {rate: r} (its own share); null: the alias's rate.")
 
+    def may_use(self, alias: str) -> bool:
+        """Whether this tenant may call `alias` (its `aliases`, or every alias)."""
+        return self.aliases is None or alias in self.aliases
+
     @model_validator(mode="after")
     def _has_key(self) -> "TenantSettings":
         if not (self.api_key_sha256 or self.api_key_env):

@@ -33,7 +33,7 @@ from typing import Any
 
 from adapters.store import Limits, Reservation, StoreUnavailable
 from adapters.upstream import Continuation, Continuations, UpstreamUnavailable
-from gateway.settings import OperatorShadowSettings, RoutingSettings
+from gateway.settings import OperatorShadowSettings, RoutingSettings, TenantSettings
 from gateway.shadow.cases import ShadowCase, changes_routing, cut_at_stop, set_fields
 from gateway.shadow.controller import KnobController
 from gateway.shadow.figures import OVERRIDDEN, sample_counts, tenant_prefix
@@ -355,11 +355,11 @@ def tenant_share_limits(limits: Limits, share: float) -> Limits | None:
                   cost(limits.month_cost_usd))
 
 
-def feeders(tenants: Iterable[Any], alias: str, routing: RoutingSettings) -> int:
+def feeders(tenants: Iterable[TenantSettings], alias: str, routing: RoutingSettings) -> int:
     """How many tenants' samples can feed the alias's knob: those that may use it, whose data may
     leave (allow_upstream), whose shadow is not off, and whose own `routing` leaves the alias's as it is."""
     return sum(1 for tenant in tenants
-               if (tenant.aliases is None or alias in tenant.aliases) and tenant.allow_upstream
+               if tenant.may_use(alias) and tenant.allow_upstream
                and (tenant.shadow is None or tenant.shadow.rate > 0)
                and not changes_routing(routing, [set_fields(tenant.routing)]))
 

@@ -33,7 +33,7 @@ class Tenant:
         return "shared" if self.settings.cache_scope == "shared" else f"tenant:{self.id}"
 
     def may_use(self, alias: str) -> bool:
-        return self.settings.aliases is None or alias in self.settings.aliases
+        return self.settings.may_use(alias)
 
 
 def key_digest(key: str) -> str:
