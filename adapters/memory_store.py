@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -11,9 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.store import (
+    AUDIT_MAX_ENTRIES,
     SETTLED_MEMORY_S,
     UNKNOWN_SCOPE,
     Billed,
+    DirectoryRecords,
+    DirectoryVersion,
+    DirectoryWrite,
     Headroom,
     Limits,
     RateLimits,
@@ -62,7 +67,14 @@ class MemoryStore:
     _quality: dict[str, dict[str, float]] = field(default_factory=dict)  # alias -> shadow counters
     _quality_buckets: dict[tuple[str, int], tuple[dict[str, float], float]] = field(default_factory=dict)
     _knobs: dict[str, dict[str, float]] = field(default_factory=dict)  # knob -> value, window counts
+    # learning examples: key -> (the newest, counts added: "" all, else by tenant); promoted checks
+    _examples: dict[str, tuple[list[str], dict[str, int]]] = field(default_factory=dict)
+    _learned: dict[str, str] = field(default_factory=dict)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _directory: dict[str, dict[str, str]] = field(default_factory=lambda: {"tenants": {}, "keys": {}})
+    _directory_version: int = 0
+    _directory_epoch: str = field(default_factory=lambda: uuid.uuid4().hex)  # an in-process store never restarts
+    _audit: list[str] = field(default_factory=list)  # newest last
 
     def _window(self, tenant: str, period: str, start: str) -> _Window:
         return self._windows.setdefault((tenant, period, start), _Window())
@@ -299,6 +311,54 @@ class MemoryStore:
 
     async def knob_read(self, knob: str) -> float | None:
         return self._knobs.get(knob, {}).get("value")
+
+    async def directory_write(self, writes: Sequence[DirectoryWrite], audit: str) -> bool:
+        for write in writes:
+            held = self._directory[write.table].get(write.name, "")
+            if write.expected is not None and held != write.expected:
+                return False
+        for write in writes:
+            if write.value is None:
+                self._directory[write.table].pop(write.name, None)
+            else:
+                self._directory[write.table][write.name] = write.value
+        self._audit.append(audit)
+        del self._audit[:-AUDIT_MAX_ENTRIES]
+        self._directory_version += 1
+        return True
+
+    async def directory_version(self) -> DirectoryVersion:
+        return DirectoryVersion(self._directory_epoch, self._directory_version)
+
+    async def directory_read(self) -> DirectoryRecords:
+        return DirectoryRecords(await self.directory_version(), dict(self._directory["tenants"]),
+                                dict(self._directory["keys"]))
+
+    async def audit_read(self, limit: int) -> list[str]:
+        return self._audit[::-1][:limit]
+
+    async def examples_add(self, key: str, example: str, tenant: str, share: float | None, keep: int) -> bool:
+        kept, counts = self._examples.setdefault(key, ([], {}))
+        total = counts.get("", 0)
+        if share is not None and counts.get(tenant, 0) >= math.ceil(share * (total + 1)):
+            return False
+        kept.append(example)
+        del kept[:-keep]
+        counts[""], counts[tenant] = total + 1, counts.get(tenant, 0) + 1
+        return True
+
+    async def examples_read(self, key: str) -> tuple[list[str], int]:
+        kept, counts = self._examples.get(key, ([], {}))
+        return list(kept), counts.get("", 0)
+
+    async def learned_read(self, key: str) -> str | None:
+        return self._learned.get(key)
+
+    async def learned_swap(self, key: str, value: str, expected: str | None) -> bool:
+        if self._learned.get(key) != expected:
+            return False
+        self._learned[key] = value
+        return True
 
     async def ping(self) -> bool:
         return True

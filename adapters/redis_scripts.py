@@ -197,3 +197,55 @@ redis.call('HSET', KEYS[1], 'value', string.format('%.17g', after))
 if after ~= before then redis.call('HINCRBY', KEYS[1], 'moves', 1) end
 return {string.format('%.17g', before), string.format('%.17g', after)}
 """
+
+# Change the tenant directory in one step. KEYS: tenants hash, keys hash, version, audit list.
+# ARGV: the audit entry, the audit log's length, then per write four: table (1 tenants, 2 keys),
+# field, expected ('*' anything, '-' nothing, '=' .. the record), value ('-' delete, '=' .. the
+# record). Every expectation is checked before anything is written: 0 if one fails, else the new version.
+DIRECTORY_WRITE_LUA = """
+local writes = (#ARGV - 2) / 4
+for i = 0, writes - 1 do
+  local hash, field, expected = KEYS[tonumber(ARGV[3 + 4 * i])], ARGV[4 + 4 * i], ARGV[5 + 4 * i]
+  local held = redis.call('HGET', hash, field)
+  if expected == '-' then
+    if held then return 0 end
+  elseif expected ~= '*' then
+    if held ~= string.sub(expected, 2) then return 0 end
+  end
+end
+for i = 0, writes - 1 do
+  local hash, field, value = KEYS[tonumber(ARGV[3 + 4 * i])], ARGV[4 + 4 * i], ARGV[6 + 4 * i]
+  if value == '-' then
+    redis.call('HDEL', hash, field)
+  else
+    redis.call('HSET', hash, field, string.sub(value, 2))
+  end
+end
+redis.call('LPUSH', KEYS[4], ARGV[1])
+redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[2]) - 1)
+return redis.call('INCR', KEYS[3])
+"""
+
+# One learning example. KEYS: the examples list, its counts hash. ARGV: the example, the tenant, the
+# tenant's share (-1: none), how many to keep. 0: refused (the tenant has its share), 1: kept.
+EXAMPLES_ADD_LUA = """
+local total = tonumber(redis.call('HGET', KEYS[2], 'total') or '0')
+local share = tonumber(ARGV[3])
+if share >= 0 then
+  local mine = tonumber(redis.call('HGET', KEYS[2], 't:' .. ARGV[2]) or '0')
+  if mine >= math.ceil(share * (total + 1)) then return 0 end
+end
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('LTRIM', KEYS[1], -tonumber(ARGV[4]), -1)
+redis.call('HINCRBY', KEYS[2], 'total', 1)
+redis.call('HINCRBY', KEYS[2], 't:' .. ARGV[2], 1)
+return 1
+"""
+
+# Compare and set a learned check. KEYS: its key. ARGV: the value expected ('' none), the new value.
+LEARNED_SWAP_LUA = """
+local held = redis.call('GET', KEYS[1])
+if (held or '') ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+"""

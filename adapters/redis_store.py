@@ -19,6 +19,16 @@ tenant as their hash tag, so one Redis Cluster slot holds them all:
   {p}:{quality:}:totals:{alias}       hash: shadow-answer counters (gateway/shadow/figures.py), counts only
   {p}:{quality:}:bucket:{alias}:{n}   hash: samples, agreed in time bucket n, for the timeline's TTL
   {p}:{quality:}:knob:{knob}          hash: a quality target's knob value, moves, its window (n, a)
+  {p}:{quality:}:examples:{key}      list: learning examples of an alias and local model (JSON: features,
+                                      label, lengths; never text), the newest `keep`
+  {p}:{quality:}:example_counts:{key} hash: examples ever added, in all (total) and by tenant (t:{id})
+  {p}:{quality:}:learned:{key}        string: the promoted learned answer check (JSON)
+  {p}:{tenants:}:tenants              hash: tenant id -> its settings (JSON); the tenant directory,
+  {p}:{tenants:}:keys                 hash: key id -> its record (JSON: tenant, name, SHA-256 digest,
+                                      expiry, scopes; never the key), both with no TTL
+  {p}:{tenants:}:version              counter: bumped by every directory change (replicas poll it)
+  {p}:{tenants:}:epoch                a random id, set when missing: a new one means Redis lost the directory
+  {p}:{tenants:}:audit                list: the latest directory changes (JSON), newest first
 Reservations are taken by a Lua script (adapters/redis_scripts.py), so concurrent requests in any
 number of processes cannot together pass a limit; settlement is another script, exactly-once per
 reservation id.
@@ -47,13 +57,17 @@ from redis.cluster import RedisCluster
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
+from adapters.redis_directory import RedisDirectory
 from adapters.redis_scripts import (
     ADMIT_LUA,
     ADMIT_TOKENS_LUA,
     CACHE_PUT_LUA,
+    DIRECTORY_WRITE_LUA,
+    EXAMPLES_ADD_LUA,
     HEADROOM_LUA,
     KNOB_MOVE_LUA,
     KNOB_WINDOW_LUA,
+    LEARNED_SWAP_LUA,
     RESPONSE_DELETE_LUA,
     RESPONSE_PUT_LUA,
     SETTLE_LUA,
@@ -91,7 +105,7 @@ MEMORY_READ_S = 1.0  # how long one reading of INFO memory stands
 NO_QUOTA = ResponseQuota(2**53, 2**53)  # a Lua number holds integers exactly up to 2^53
 
 
-class RedisStore:
+class RedisStore(RedisDirectory):
     """Store over one Redis; every method raises StoreUnavailable when Redis does not answer."""
 
     def __init__(self, url: str, prefix: str, timeout_s: float, reservation_ttl_s: float, cache_ttl_s: float,
@@ -116,6 +130,9 @@ class RedisStore:
         self._response_delete_script = self._redis.register_script(RESPONSE_DELETE_LUA)
         self._knob_window_script = self._redis.register_script(KNOB_WINDOW_LUA)
         self._knob_move_script = self._redis.register_script(KNOB_MOVE_LUA)
+        self._examples_add_script = self._redis.register_script(EXAMPLES_ADD_LUA)
+        self._learned_swap_script = self._redis.register_script(LEARNED_SWAP_LUA)
+        self._directory_write_script = self._redis.register_script(DIRECTORY_WRITE_LUA)
         self._failures = 0  # consecutive; only touched on the event loop
         self._skip_until = 0.0
         self._cluster = cluster
@@ -327,6 +344,28 @@ class RedisStore:
     async def knob_read(self, knob: str) -> float | None:
         value = await self._run(lambda: self._redis.hget(self._key(QUALITY_TAG, "knob", knob), "value"))
         return None if value is None else float(value)
+
+    async def examples_add(self, key: str, example: str, tenant: str, share: float | None, keep: int) -> bool:
+        keys = [self._key(QUALITY_TAG, "examples", key), self._key(QUALITY_TAG, "example_counts", key)]
+        args = [example, tenant, -1 if share is None else repr(share), keep]
+        return bool(await self._run(lambda: self._examples_add_script(keys=keys, args=args)))
+
+    async def examples_read(self, key: str) -> tuple[list[str], int]:
+        def read() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.lrange(self._key(QUALITY_TAG, "examples", key), 0, -1)
+            pipe.hget(self._key(QUALITY_TAG, "example_counts", key), "total")
+            return pipe.execute()
+
+        kept, total = await self._run(read)
+        return list(kept), int(total or 0)
+
+    async def learned_read(self, key: str) -> str | None:
+        return await self._run(lambda: self._redis.get(self._key(QUALITY_TAG, "learned", key)))
+
+    async def learned_swap(self, key: str, value: str, expected: str | None) -> bool:
+        keys, args = [self._key(QUALITY_TAG, "learned", key)], [expected or "", value]
+        return bool(await self._run(lambda: self._learned_swap_script(keys=keys, args=args)))
 
     async def ping(self) -> bool:
         try:

@@ -176,6 +176,41 @@ def new_reservation(tenant: str, tokens: int, cost_usd: float) -> Reservation:
     return Reservation(tenant, uuid.uuid4().hex, tokens, to_micro(cost_usd, round_up=True))
 
 
+# -- the tenant directory: tenants and their keys, shared by every replica --
+
+AUDIT_MAX_ENTRIES = 10_000  # the audit log keeps this many of the latest changes
+
+
+@dataclass(frozen=True)
+class DirectoryWrite:
+    """One field of the tenant directory (`table` "tenants" or "keys", field `name`), set to `value`
+    (None: deleted) only if it holds `expected` now (None: whatever it holds; "": nothing)."""
+
+    table: str
+    name: str
+    value: str | None
+    expected: str | None = None
+
+
+@dataclass(frozen=True)
+class DirectoryVersion:
+    """Which directory the Store holds and which change of it. `epoch` is a random id the Store keeps
+    beside the records and makes anew when it has none (a Redis that restarted empty); `number` is
+    bumped by every write (0 before the first). Equal versions: the same records."""
+
+    epoch: str
+    number: int
+
+
+@dataclass(frozen=True)
+class DirectoryRecords:
+    """Every tenant and key record (opaque JSON texts, by tenant id and key id) as of `version`."""
+
+    version: DirectoryVersion
+    tenants: dict[str, str]
+    keys: dict[str, str]
+
+
 class Store(Protocol):
     """Every method may raise StoreUnavailable; none blocks longer than the store's time-out."""
 
@@ -258,6 +293,36 @@ class Store(Protocol):
 
     async def knob_read(self, knob: str) -> float | None:
         """The knob's value, None until first moved."""
+
+    async def directory_write(self, writes: Sequence[DirectoryWrite], audit: str) -> bool:
+        """Apply every write, bump the directory's version and append `audit` to the audit log, all in
+        one step; or, if any write's `expected` does not hold, nothing at all (False)."""
+
+    async def directory_version(self) -> DirectoryVersion:
+        """The directory's version: its number changes with every write, its epoch when the Store
+        lost the directory."""
+
+    async def directory_read(self) -> DirectoryRecords:
+        """Every tenant and key record, read in one step."""
+
+    async def audit_read(self, limit: int) -> list[str]:
+        """The latest `limit` audit entries (at most AUDIT_MAX_ENTRIES kept), newest first."""
+
+    async def examples_add(self, key: str, example: str, tenant: str, share: float | None, keep: int) -> bool:
+        """Append one learning example (JSON text, no prompt or answer text) to the list `key` (an
+        alias and local model's), keeping its newest `keep`; refused (False) when `share` is given and
+        `tenant` has already given ceil(share * (examples ever added + 1)) of them. One step: replicas
+        pool here."""
+
+    async def examples_read(self, key: str) -> tuple[list[str], int]:
+        """The examples kept under `key`, oldest first, and how many were ever added."""
+
+    async def learned_read(self, key: str) -> str | None:
+        """The learned check promoted under `key` (JSON text), None if none."""
+
+    async def learned_swap(self, key: str, value: str, expected: str | None) -> bool:
+        """Put `value` under `key` if what it holds is `expected` (None: nothing); whether it did:
+        of two replicas promoting at once, one wins and the other reads the winner."""
 
     async def ping(self) -> bool: ...
 

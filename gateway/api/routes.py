@@ -10,6 +10,7 @@ from sse_starlette.sse import AppStatus
 from gateway.runtime import Runtime
 from gateway.settings import RoutingOverride, RoutingSettings
 from gateway.shadow.report import MAX_MINUTES, quality_report
+from gateway.tenancy.changes import NotFound
 from gateway.tenancy.tenants import Tenant
 from gateway.wire.errors import Forbidden, GatewayError, InvalidRequest, Unauthenticated, quoted
 
@@ -79,9 +80,7 @@ async def admin_usage(tenant_id: str, request: Request):
     require_admin(request)
     tenant = runtime.tenants.by_id.get(tenant_id)
     if tenant is None:
-        error = InvalidRequest(f"no tenant '{quoted(tenant_id)}'", param="tenant_id")
-        error.status, error.code = 404, "not_found"
-        raise error
+        raise NotFound(f"no tenant '{quoted(tenant_id)}'", param="tenant_id")
     return await _usage(runtime, tenant)
 
 

@@ -76,9 +76,6 @@ def policy_of(routing: RoutingSettings, router: Router | None, windows: SharedWi
     """The policy `routing` names, reading `router` and `windows` (one tenant's recent values on
     the alias); a target_fraction outside the shares the router was fitted for is a 400."""
     try:
-        return build_policy(routing.policy, routing.threshold, routing.target_fraction, routing.max_upstream_tokens,
-                            routing.max_upstream_share, routing.max_upstream_calls, windows=windows, router=router,
-                            threshold_from=routing.threshold_from, answer_value=routing.answer_value,
-                            early_escalation=routing.early_escalation)
+        return build_policy(routing.policy, windows=windows, router=router, **vars(routing.policy_rule))
     except RouterError as exc:
         raise InvalidRequest(str(exc), param="routing.target_fraction") from exc
