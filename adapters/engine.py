@@ -54,6 +54,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import Llama
 from llama_cpp import _internals as internals
+from opentelemetry import trace
 
 from adapters.slot_queue import Claim, SlotQueue
 from adapters.steering import Steering
@@ -63,6 +64,7 @@ SHARE_MIN_TOKENS = 4  # a shorter shared prefix is cheaper to evaluate again tha
 IDLE_KEPT = 1  # finished sequences whose tokens stay for reuse: every cell widens every step's attention
 THREADPOOL_POLL = 0  # ggml's polling level between graphs: spinning threads would starve the event loop
 # on: llama.cpp's auto, as its own tools run (on for CPUs; off where a device cannot run it)
+TRACER = trace.get_tracer("adapters.engine")
 FLASH_ATTN = {True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
 
@@ -175,8 +177,9 @@ class Engine:
         if hidden and not self.hidden_available:
             raise ValueError("this model pools its embeddings: it has no per-token hidden state to return")
         claim = claim or Claim()
-        index = await self._queue.take(claim, lambda free: max(
-            free, key=lambda i: self._fit(self._slots[i], prompt, scope)))
+        with TRACER.start_as_current_span("gateway.queue_wait"):  # a span only where tracing is on
+            index = await self._queue.take(claim, lambda free: max(
+                free, key=lambda i: self._fit(self._slots[i], prompt, scope)))
         slot = self._slots[index]
         sequence = Sequence(self, slot, scope, hidden, speculate)
         slot.owner, slot.prompt, slot.claim = sequence, len(prompt), claim

@@ -66,18 +66,22 @@ class LocalModel:
         flash attention if `flash_attn`, its context steered by `steering` if given. Raises
         LocalModelError with one line (a steering vector of another width or layer count too)."""
 
-        def build() -> Llama:
+        def build() -> LocalModel:
             # This Llama's own context stays tiny: the engine decodes in a context of its own.
-            return Llama(model_path=str(path), n_ctx=64, n_batch=64, n_threads=n_threads,
-                         n_threads_batch=n_threads, logits_all=False, verbose=False)
+            llm = Llama(model_path=str(path), n_ctx=64, n_batch=64, n_threads=n_threads,
+                        n_threads_batch=n_threads, logits_all=False, verbose=False)
+            try:
+                engine = Engine(llm, n_ctx, parallel, n_threads, n_batch, queue_limit, flash_attn, steering)
+            except BaseException:
+                llm.close()  # a refused engine (a reload's) must not keep the weights
+                raise
+            engine.speculation = look_ahead
+            return cls(llm, engine)
 
         try:
-            llm = await asyncio.get_running_loop().run_in_executor(None, build)
-            engine = Engine(llm, n_ctx, parallel, n_threads, n_batch, queue_limit, flash_attn, steering)
-            engine.speculation = look_ahead
+            return await asyncio.to_thread(build)
         except (ValueError, RuntimeError, SteeringError) as exc:
             raise LocalModelError(f"cannot load model {path}: {exc}") from exc
-        return cls(llm, engine)
 
     def close(self) -> None:
         self.engine.close()

@@ -17,6 +17,7 @@ import openai
 
 from adapters.cache_isolation import Isolation
 from adapters.litellm_client import litellm
+from adapters.trace_context import trace_params
 from adapters.upstream_errors import (
     CircuitBreaker,
     UpstreamFailedRequest,
@@ -115,7 +116,7 @@ class WholeRequests:
             response = await litellm().acompletion(
                 model=self.chat_model, api_base=s.api_base, api_key=api_key_of(s), timeout=s.passthrough_timeout_s,
                 num_retries=0, allowed_openai_params=[name for name in params if name != "messages"],
-                extra_body=extra_body, **params)
+                extra_body=extra_body, **trace_params(), **params)
         except (openai.OpenAIError, httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
             await lease.aclose()
             # llama-server answers 500 to messages it cannot parse, and to numbers past its parser

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import signal
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from adapters.local_model import LocalModelError
@@ -18,7 +21,10 @@ from policies.learned import RouterError
 if TYPE_CHECKING:
     import uvicorn
 
+    from gateway.runtime import Runtime
+
 STARTUP_ERRORS = (SettingsError, ModelFileError, LocalModelError, UpstreamServerError, RouterError)
+log = logging.getLogger("gateway")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,16 +58,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    from gateway.runtime import alias_files, check_routing, fit_presets, steering_of
+    from gateway.config_checks import check_settings
 
     settings = load_settings(args.config)
-    for local in settings.models.local.values():
-        resolve_model(local.gguf)  # there, and a catalog model verified, as start-up needs it (not fetched)
-    steering_of(settings)  # each vector fitted for its entry's model (its width is checked as the model loads)
-    for line in fit_presets(settings):
+    checked = check_settings(settings)  # what start-up (and a reload) checks before loading a model
+    for line in checked.notes:
         print(f"note: {line}", file=sys.stderr)
-    routers = {name: router for name, (router, _) in alias_files(settings).items()}
-    for warning in check_routing(settings, routers):
+    for warning in checked.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(f"config ok: aliases {', '.join(settings.aliases)}")
     return 0
@@ -75,26 +78,51 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
-    return asyncio.run(_serve_async(settings, args.log_level))
+    return asyncio.run(_serve_async(settings, args.log_level, lambda: load_settings(args.config)))
 
 
-async def _serve_async(settings: Settings, log_level: str) -> int:
+async def _serve_async(settings: Settings, log_level: str, reread: Callable[[], Settings] | None = None) -> int:
     import uvicorn
 
+    from gateway import observability
     from gateway.api.app import create_app
+    from gateway.observability.tracing_provider import start_tracing
     from gateway.runtime import Runtime
 
-    runtime = await Runtime.start(settings)  # fail here, with one line, before binding the port
+    tracing = start_tracing(settings.tracing)
+    metrics = observability.Metrics()
+    # fail here, with one line, before binding the port
+    runtime = await Runtime.start(settings, observe_calls=observability.metered_calls(metrics), load_settings=reread)
 
     async def reuse(_settings):
         return runtime
 
-    app = create_app(settings, start_runtime=reuse)
+    app = create_app(settings, start_runtime=reuse, metrics=metrics)
+    asyncio.get_running_loop().add_signal_handler(  # the task is kept, and cancelled at close, with the runtime's
+        signal.SIGHUP, lambda: runtime.background.append(asyncio.ensure_future(reload_logged(runtime))))
     try:
         await uvicorn.Server(uvicorn_config(app, settings.server, log_level)).serve()
     finally:
         await runtime.close()  # idempotent: the app's lifespan normally closed it already
+        if tracing is not None:
+            tracing.shutdown()  # sends the spans still batched
     return 0
+
+
+async def reload_logged(runtime: Runtime) -> None:
+    """SIGHUP: reload the configuration file (Runtime.reload), logging the outcome; a file that fails
+    its checks is logged and the running configuration keeps serving."""
+    try:
+        lines = await runtime.reload()
+    except SettingsError as exc:
+        log.error("configuration reload refused, the running configuration keeps serving: %s", exc)
+        return
+    except Exception:  # noqa: BLE001 - a signal handler's task: log it, the running configuration serves on
+        log.exception("configuration reload failed, the running configuration keeps serving")
+        return
+    for line in lines:
+        log.warning("%s", line)
+    log.info("configuration reloaded: aliases %s", ", ".join(runtime.aliases))
 
 
 def uvicorn_config(app, server: ServerSettings, log_level: str) -> uvicorn.Config:

@@ -22,7 +22,7 @@ from adapters.local_model import LocalModel, LocalModelError
 from adapters.model_files import model_sha256
 from adapters.steering import Steering, SteeringError, SteeringVector
 from bench.support import ROOT, SMOL, gateway_config, live_gateway, prompt
-from gateway.runtime import steering_of
+from gateway.config_checks import steering_of
 from gateway.settings import SettingsError, load_settings
 from fitting.steering.fit import directions
 from fitting.steering.probe import held_out_accuracy, transfer_accuracy

@@ -21,7 +21,7 @@ from fitting.summary import wilson_ci
 from fitting.tune import TuneOptions, resolve_splits, routing_for, tune, tune_items
 from fitting.tune_fit import agreement_levels, candidates, choose, cost_ratio, figures, relabel
 from gateway.__main__ import main as gateway_main
-from gateway.runtime import alias_files, check_routing
+from gateway.config_checks import alias_files, check_routing
 from gateway.settings import RoutingSettings, load_settings
 from policies.learned import RouterError
 from tests.conftest import QWEN, SMOL, gateway_config

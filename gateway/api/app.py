@@ -12,9 +12,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from gateway import observability
+from gateway.api.admin import router as admin_router
 from gateway.api.chat_completions import router as chat_router
 from gateway.api.completions import router as completions_router
 from gateway.api.playground import router as playground_router
+from gateway.api.reload import router as reload_router
 from gateway.api.responses_api import router as responses_router
 from gateway.api.routes import router
 from gateway.logs import request_id_var
@@ -29,13 +31,35 @@ log = logging.getLogger("gateway")
 RuntimeFactory = Callable[[Settings], Awaitable[Runtime]]
 
 
-def create_app(settings: Settings, start_runtime: RuntimeFactory = Runtime.start) -> FastAPI:
-    """A gateway app. Models load and child servers start in the lifespan, not here."""
+ROUTERS = (chat_router, responses_router, completions_router, router, playground_router, admin_router, reload_router)
+
+
+def create_app(settings: Settings, start_runtime: RuntimeFactory | None = None,
+               metrics: observability.Metrics | None = None) -> FastAPI:
+    """A gateway app. Models load and child servers start in the lifespan, not here: by
+    `start_runtime`, by default `Runtime.start` with each upstream call counted in `metrics` (the
+    app's registry: a new one unless given, as when the caller started the runtime with its observer)."""
+    metrics = metrics or observability.Metrics()  # a registry per app
+    app = FastAPI(title="routing-gateway", version="0.1.0", lifespan=_lifespan(settings, start_runtime, metrics),
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json" if settings.server.docs else None)
+    install_error_handlers(app)
+    for routes in ROUTERS:
+        app.include_router(routes)
+    observability.install(app, metrics, settings.server.public_metrics)
+    app.add_middleware(RequestIdMiddleware)  # outermost: the id is set for every log line below it
+    app.openapi = lambda: app.openapi_schema or _openapi_with_request_bodies(app)
+    return app
+
+
+def _lifespan(settings: Settings, start_runtime: RuntimeFactory | None, metrics: observability.Metrics):
+    """The app's lifespan: start the Runtime (`start_runtime`, else Runtime.start observed by
+    `metrics`), serve, close it."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.runtime = await start_runtime(settings)
-        observability.instrument(app.state.runtime, app.state.metrics)
+        start = start_runtime or (lambda s: Runtime.start(s, observe_calls=observability.metered_calls(metrics)))
+        app.state.runtime = await start(settings)
+        metrics.runtime = app.state.runtime  # read by the scrape-time collectors
         log.info("gateway ready: aliases %s; open %s in a browser for the playground",
                  ", ".join(app.state.runtime.aliases), browser_url(settings.server))
         try:
@@ -43,18 +67,7 @@ def create_app(settings: Settings, start_runtime: RuntimeFactory = Runtime.start
         finally:
             await app.state.runtime.close()
 
-    app = FastAPI(title="routing-gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json" if settings.server.docs else None)
-    install_error_handlers(app)
-    app.include_router(chat_router)
-    app.include_router(responses_router)
-    app.include_router(completions_router)
-    app.include_router(router)
-    app.include_router(playground_router)
-    observability.install(app, observability.Metrics(), settings.server.public_metrics)  # a registry per app
-    app.add_middleware(RequestIdMiddleware)  # outermost: the id is set for every log line below it
-    app.openapi = lambda: app.openapi_schema or _openapi_with_request_bodies(app)
-    return app
+    return lifespan
 
 
 def browser_url(server: ServerSettings) -> str:

@@ -15,6 +15,7 @@ from adapters.store import Billed, Reservation
 from adapters.upstream import Upstream, UpstreamRejected, UpstreamUnavailable
 from adapters.upstream_errors import UpstreamBusy, status_of
 from gateway.decoding.handoffs import Gate
+from gateway.traced import traced
 from gateway.wire.errors import GatewayError, InvalidRequest, Overloaded
 from gateway.wire.schemas import ChatCompletionRequest
 
@@ -112,6 +113,7 @@ class Passing:
     def header(self) -> str:
         return f"mode=passthrough; reason={self.blocker.param}; calls=1"
 
+    @traced("gateway.passthrough")
     async def _call(self, stream: bool) -> Any:
         params = self.params
         if stream:

@@ -14,17 +14,20 @@ prompts are logged: log lines carry ids, counts and timings only, and a last-res
 anything that looks like a bearer key.
 
 The decoder stays free of metrics code: `metered(admitted)` wraps its piece stream, and
-`MeteredUpstream` gives each alias's decoder continuations that time and count real calls.
+`MeteredUpstream` gives each alias's decoder continuations that time and count real calls (the
+runtime builds them with `metered_calls(metrics)`), each in a span (tracing.py: the request's span,
+and its admission and decoding).
 
 One concept a module: registry.py (the metrics and scrape-time collectors), requests.py (the
 middleware, one log line and the counts per request, /metrics), answers.py (what an answer or a
-pass-through counts), upstream_calls.py (hand-offs counted under their alias).
+pass-through counts), upstream_calls.py (hand-offs counted under their alias), tracing.py (spans),
+tracing_provider.py (exporting them: imported by the entry point only).
 """
 
 from gateway.observability.answers import count_passthrough, metered
 from gateway.observability.registry import Metrics
 from gateway.observability.requests import error_reason, install, note_model
-from gateway.observability.upstream_calls import MeteredUpstream, instrument
+from gateway.observability.upstream_calls import MeteredUpstream, metered_calls
 
-__all__ = ["Metrics", "MeteredUpstream", "count_passthrough", "error_reason", "install", "instrument", "metered",
+__all__ = ["Metrics", "MeteredUpstream", "count_passthrough", "error_reason", "install", "metered", "metered_calls",
            "note_model"]

@@ -14,6 +14,7 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.observability.registry import Metrics
+from gateway.observability.tracing import finish_request, request_span
 from gateway.wire.errors import GatewayError, Unauthenticated
 
 log = logging.getLogger("gateway.requests")
@@ -76,11 +77,25 @@ class RequestRecord:
     started: float
     status: int | None = None
     model: str | None = None
-    alias: str | None = None
     tenant: str | None = None
     ttft_s: float | None = None
     error: str | None = None
     summary: dict[str, Any] = field(default_factory=dict)
+    started_ns: int = field(default_factory=time.time_ns)  # wall clock, for spans timed after the fact
+    admission_ns: int | None = None  # the route named the model: admission starts
+    admitted_ns: int | None = None  # the answer's alias was noted: admission ended
+    _alias: str | None = field(default=None, repr=False)
+
+    @property
+    def alias(self) -> str | None:
+        """The alias that answers, noted once the request is admitted (answers.metered, count_passthrough)."""
+        return self._alias
+
+    @alias.setter
+    def alias(self, name: str | None) -> None:
+        self._alias = name
+        if self.admitted_ns is None:
+            self.admitted_ns = time.time_ns()
 
 
 _record: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("gateway_request_record", default=None)
@@ -92,10 +107,11 @@ def current_record() -> RequestRecord | None:
 
 
 def note_model(model: str) -> None:
-    """Hook for the chat route: the requested model name (labelled only if it is an alias)."""
+    """Hook for the answering routes: the requested model name (labelled only if it is an alias);
+    admission starts here (its span ends where the answer's alias is noted)."""
     record = _record.get()
     if record is not None:
-        record.model = model
+        record.model, record.admission_ns = model, time.time_ns()
 
 
 class ObservabilityMiddleware:
@@ -116,16 +132,18 @@ class ObservabilityMiddleware:
                 record.status = message["status"]
             await send(message)
 
-        try:
-            await self.app(scope, receive, send_noting_status)
-        except BaseException:
-            record.status, record.error = record.status or 500, record.error or "internal_error"
-            raise
-        finally:
-            _record.reset(token)
-            self._finish(scope, record)
+        with request_span() as span:
+            try:
+                await self.app(scope, receive, send_noting_status)
+            except BaseException:
+                record.status, record.error = record.status or 500, record.error or "internal_error"
+                raise
+            finally:
+                _record.reset(token)
+                finish_request(span, record, self._finish(scope, record), time.time_ns())
 
-    def _finish(self, scope, record: RequestRecord) -> None:
+    def _finish(self, scope, record: RequestRecord) -> dict[str, Any]:
+        """Count and log the request; returns its log line's fields."""
         path, method, status = scope["path"], scope["method"], record.status or 500
         fields: dict[str, Any] = {"method": method, "path": path, "status": status,
                                   "duration_ms": round((time.perf_counter() - record.started) * 1000, 1)}
@@ -138,6 +156,7 @@ class ObservabilityMiddleware:
                 fields["ttft_ms"] = round(record.ttft_s * 1000, 1)
         level = logging.DEBUG if path.startswith(QUIET_PATHS) else logging.INFO
         log.log(level, "%s %s %s", scope["method"], path, status, extra=fields)
+        return fields
 
     def _count(self, endpoint: str, method: str, alias: str, status: str, error: str | None) -> None:
         m = self.metrics

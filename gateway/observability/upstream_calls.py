@@ -1,31 +1,31 @@
-"""Upstream calls counted and timed under the alias that made them: each alias's decoder hands off
-through a `MeteredUpstream` around the shared upstream."""
+"""Upstream calls counted and timed under the alias that made them, each in a span: each alias's
+decoder hands off through a `MeteredUpstream` around the shared upstream, which the runtime builds
+with the observer `metered_calls` gives it (gateway.runtime.Runtime.start)."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from opentelemetry.trace import SpanKind
 
 from adapters.pricing import Prices
 from adapters.upstream import Continuation, Handoff, Upstream
 from gateway.observability.registry import Metrics
+from gateway.traced import TRACER
 
 if TYPE_CHECKING:
-    from gateway.runtime import Runtime
+    from gateway.runtime import UpstreamObserver
+
+UPSTREAM_CALL = "gateway.upstream_call"
 
 
-def instrument(runtime: Runtime, metrics: Metrics) -> None:
-    """Meter each alias's hand-offs: its decoder's continuations count and time every call under
-    that alias (a runtime reused by a second app counts for the new one)."""
-    metrics.runtime = runtime
-    for name, alias in list(runtime.aliases.items()):
-        if alias.upstream is not None:
-            runtime.aliases[name] = dataclasses.replace(
-                alias, continuations=MeteredUpstream(alias.upstream, metrics, name))
+def metered_calls(metrics: Metrics) -> UpstreamObserver:
+    """The observer the runtime builds each alias's continuations with (gateway.runtime.UpstreamObserver):
+    every real call counted and timed under the alias, in a span of its own."""
+    return lambda alias, upstream: MeteredUpstream(upstream, metrics, alias)
 
 
 class MeteredUpstream:
@@ -72,24 +72,44 @@ class MeteredUpstream:
     async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
                             seed: int | None, extra: dict[str, Any] | None = None) -> Continuation:
         m, alias = self._metrics, self._alias
-        call = self.inner.continue_text(handoff, max_tokens, temperature, top_p, seed, extra)
-        if not self.inner.available:
-            m.upstream_errors.labels(alias, "circuit_open").inc()
-            return await call  # raises UpstreamUnavailable
-        m.upstream_calls.labels(alias).inc()
-        started = time.perf_counter()
-        try:
-            continuation = await call
-        except Exception as exc:
-            m.upstream_errors.labels(alias, _upstream_failure(exc)).inc()
-            raise
-        m.upstream_latency.labels(alias).observe(time.perf_counter() - started)
+        with TRACER.start_as_current_span(UPSTREAM_CALL, kind=SpanKind.CLIENT) as span:
+            span.set_attributes(self._call_attributes(max_tokens))
+            call = self.inner.continue_text(handoff, max_tokens, temperature, top_p, seed, extra)
+            if not self.inner.available:
+                m.upstream_errors.labels(alias, "circuit_open").inc()
+                return await call  # raises UpstreamUnavailable
+            m.upstream_calls.labels(alias).inc()
+            started = time.perf_counter()
+            try:
+                continuation = await call
+            except Exception as exc:
+                m.upstream_errors.labels(alias, _upstream_failure(exc)).inc()
+                raise
+            m.upstream_latency.labels(alias).observe(time.perf_counter() - started)
+            self._count(continuation)
+            span.set_attributes(_outcome(continuation))
+            return continuation
+
+    def _call_attributes(self, max_tokens: int) -> dict[str, Any]:
+        settings = self.inner.settings
+        return {"gateway.alias": self._alias, "gateway.upstream": self.inner.name, "gateway.upstream.mode": settings.mode,
+                "gateway.upstream.model": settings.model, "gateway.upstream.max_tokens": max_tokens,
+                "gateway.upstream.breaker": "closed" if self.inner.available else "open"}
+
+    def _count(self, continuation: Continuation) -> None:
+        m, alias = self._metrics, self._alias
         m.upstream_prompt_tokens.labels(alias).inc(continuation.prompt_tokens)
         m.upstream_completion_tokens.labels(alias).inc(continuation.completion_tokens)
         m.upstream_cached_tokens.labels(alias).inc(continuation.cached_tokens)
         m.upstream_compute.labels(alias).inc((continuation.compute_ms or 0.0) / 1000)
         m.upstream_cost.labels(alias).inc(continuation.cost_usd)
-        return continuation
+
+
+def _outcome(continuation: Continuation) -> dict[str, Any]:
+    return {"gateway.upstream.prompt_tokens": continuation.prompt_tokens,
+            "gateway.upstream.completion_tokens": continuation.completion_tokens,
+            "gateway.upstream.cached_tokens": continuation.cached_tokens,
+            "gateway.upstream.cost_usd": continuation.cost_usd, "gateway.upstream.finished": continuation.finished}
 
 
 def _upstream_failure(exc: BaseException) -> str:
