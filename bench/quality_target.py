@@ -44,8 +44,8 @@ from bench.shadow_replay import (
     upstream_config,
 )
 from bench.support import SMOL, live_gateway
-from gateway.shadow.figures import wilson
 from policies.agreement import same_answer
+from policies.online_check import wilson
 
 
 def _routing(threshold: float) -> dict[str, Any]:

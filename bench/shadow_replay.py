@@ -38,8 +38,8 @@ import httpx
 from adapters.upstream_server import free_port
 from bench.support import SMOL, live_gateway
 from fitting.datasets import DATA_DIR, DEFAULT_FILES, load_items
-from gateway.shadow.figures import wilson
 from policies.agreement import same_answer
+from policies.online_check import wilson
 
 KEYS = {"SHADOWED_KEY": "sk-shadowed", "PLAIN_KEY": "sk-plain", "REPLAY_ADMIN_KEY": "sk-replay-admin"}
 DATASETS = ("csqa", "gsm8k", "humaneval", "ifeval")

@@ -22,6 +22,7 @@ from adapters.chat_template import ChatTemplate
 from adapters.vocabulary import tokenize_parts
 from fitting.datasets import Item
 from gateway.decoding.signals import signal_of, token_kind
+from policies.online_check import auc
 
 POSITION_BUCKETS = ((0, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 128), (128, 256), (256, 100_000))
 # Each signal oriented so that larger means "more likely a mismatch".
@@ -81,23 +82,10 @@ def steps(records: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 
 def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:
-    """Area under the ROC curve of `scores` for positive `labels` (Mann-Whitney, ties averaged)."""
-    values = np.asarray(scores, dtype=float)
-    positive = np.asarray(labels, dtype=bool)
-    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    order = np.argsort(values, kind="mergesort")
-    ranks = np.empty(len(values))
-    sorted_values = values[order]
-    i = 0
-    while i < len(values):  # average ranks over runs of equal scores
-        j = i
-        while j + 1 < len(values) and sorted_values[j + 1] == sorted_values[i]:
-            j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2 + 1
-        i = j + 1
-    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+    """Area under the ROC curve of `scores` for positive `labels` (policies.online_check.auc: ties
+    count half); NaN, not None, unless both labels are present, so that numpy sums and plots skip it."""
+    found = auc(scores, labels)
+    return float("nan") if found is None else found
 
 
 def auroc_gain(better: np.ndarray, worse: np.ndarray, labels: np.ndarray, answers: np.ndarray,

@@ -46,6 +46,11 @@ def _tune_parser(commands: argparse._SubParsersAction) -> None:
     tune.add_argument("--convert", metavar="DATASET", help="print a dataset's rows (csqa, gsm8k; --prompts: the "
                                                            "file, --rows) as a prompts JSONL, and stop")
     tune.add_argument("--rows", help="with --convert: the rows to print")
+    tune.add_argument("--from-examples", action="store_true",
+                      help="fit the alias's answer check on the examples a learning gateway (routing.learn) holds "
+                           "in its Redis store instead of decoding prompts (docs/routing.md, 'Routing that learns')")
+    tune.add_argument("--target", type=float, help="with --from-examples: the agreement to hold (default: the alias's "
+                                                   "quality_target)")
     tune.set_defaults(run=_tune)
 
 
@@ -61,6 +66,12 @@ def _tune(args: argparse.Namespace) -> int:
             return 0
         if not args.alias or not args.out:
             raise ValueError("tune needs --alias and --out (and --prompts or --dataset)")
+        if args.from_examples:
+            from fitting.tune_examples import REPORT_FILE, tune_from_examples
+
+            tune_from_examples(Path(args.config), args.alias, args.out, args.target)
+            print((args.out / REPORT_FILE).read_text())
+            return 0
         require("tqdm", "python -m gateway tune")  # its progress bar
         from fitting.tune import TuneOptions, tune
 

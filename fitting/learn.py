@@ -25,6 +25,7 @@ from fitting.analysis import auroc, reliability, steps
 from fitting.calibrate import ORIENTATION
 from policies.base import Signal
 from policies.learned import FEATURES, Router, features
+from policies.online_check import fit_logistic
 
 
 def step_signal(step: dict[str, Any]) -> Signal:
@@ -47,27 +48,6 @@ def scored(router: Router, records: Sequence[dict[str, Any]]) -> tuple[np.ndarra
     """The router's score, the mismatch label (bool) and the features of every position of `records`."""
     x, labels, _ = matrix(records)
     return np.array([router.score(row) for row in x]), labels.astype(bool), x
-
-
-def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1.0, iterations: int = 30
-                 ) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
-    """(weights, bias, mean, scale) of an L2-regularised logistic regression on standardised x."""
-    mean = x.mean(axis=0)
-    scale = x.std(axis=0)
-    scale[scale == 0] = 1.0
-    z = np.hstack([(x - mean) / scale, np.ones((len(x), 1))])
-    w = np.zeros(z.shape[1])
-    penalty = np.full(z.shape[1], l2)
-    penalty[-1] = 0.0  # the bias is not shrunk
-    for _ in range(iterations):
-        p = 1.0 / (1.0 + np.exp(-np.clip(z @ w, -30, 30)))
-        gradient = z.T @ (p - y) + penalty * w
-        hessian = (z * (p * (1 - p))[:, None]).T @ z + np.diag(penalty)
-        step = np.linalg.solve(hessian, gradient)
-        w -= step
-        if np.abs(step).max() < 1e-8:
-            break
-    return w[:-1], float(w[-1]), mean, scale
 
 
 def logistic_scores(weights: np.ndarray, bias: float, mean: np.ndarray, scale: np.ndarray,

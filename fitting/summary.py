@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.shadow.figures import wilson
+from policies.online_check import wilson
 
 RESAMPLES = 2000
 

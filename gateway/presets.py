@@ -13,7 +13,12 @@ kind of upstream, in one word. Fields given beside a preset override its values.
 - `self-hosted` (an upstream you run, billed by nothing but its compute): the same router and
   share, hand-offs unpriced.
 
-Both need the router fitted for their local model, Qwen2.5-Coder-0.5B-Instruct. An alias whose local
+- `learning` (any local model, any upstream): routing that learns on its own traffic
+  (docs/routing.md, "Routing that learns"): every answer that does not stream is asked of the
+  upstream afresh until an answer check fitted on the alias's shadow samples is promoted, which
+  then holds 90% agreement with upstream-only answers at the lowest cost its examples allow.
+
+The first two need the router fitted for their local model, Qwen2.5-Coder-0.5B-Instruct. An alias whose local
 model is another gets the preset's fallback instead (and a start-up line and `check-config` say so):
 `token-billed` the agreement check, which needs no fitted file (the greedy answer and three samples;
 an answer fewer than 3 of 4 agree on is asked afresh), `self-hosted` an entropy threshold of 2 nats.
@@ -23,12 +28,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-Preset = Literal["token-billed", "self-hosted"]
+Preset = Literal["token-billed", "self-hosted", "learning"]
 ROUTER = "routers/mixed-qwen2.5-coder-0.5b.json"
 _LEARNED = {"policy": "learned", "target_fraction": 0.05, "threshold_from": "traffic", "router": ROUTER}
 PRESETS: dict[str, dict[str, Any]] = {
     "token-billed": {**_LEARNED, "answer_value": 1.0, "escalation": "draft"},
     "self-hosted": dict(_LEARNED),
+    "learning": {"policy": "never", "shadow": {"rate": 0.2}, "quality_target": 0.9, "learn": {"enabled": True}},
 }
 FALLBACKS: dict[str, dict[str, Any]] = {  # where the preset's router was fitted for another local model
     "token-billed": {"policy": "never", "answer_check": {"kind": "agreement", "samples": 4}, "escalate_below": 0.75},

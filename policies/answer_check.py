@@ -93,7 +93,11 @@ class AnswerCheck:
     @classmethod
     def load(cls, path: str | Path, model_sha256: str | None = None) -> "AnswerCheck":
         """Read a check file; RouterError if it is not one, or was fitted for another local model."""
-        data = read_json(path, "answer check")
+        return cls.of_json(read_json(path, "answer check"), path, model_sha256)
+
+    @classmethod
+    def of_json(cls, data: Any, path: str | Path, model_sha256: str | None = None) -> "AnswerCheck":
+        """A check from its JSON (`to_json`'s shape; `path` names where it came from in errors)."""
         if not isinstance(data, dict):
             raise RouterError(f"{path} is not an answer check file ({CHECK_FORMAT})")
         check_header(data, path, CHECK_FORMAT, model_sha256, FEATURES)

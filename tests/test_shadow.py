@@ -20,12 +20,14 @@ from gateway.settings import RoutingOverride, RoutingSettings, Settings, Setting
 from gateway.shadow.cases import ShadowCase, case_of, changes_routing, cut_at_stop
 from gateway.settings.shadow import KnobSettings, OperatorShadowSettings, TenantShadow
 from gateway.shadow.controller import KnobController
-from gateway.shadow.figures import OVERRIDDEN, figures_of, wilson
+from gateway.shadow.figures import OVERRIDDEN, figures_of
 from gateway.shadow.metrics import ShadowCollector
 from gateway.shadow.report import quality_report
-from gateway.shadow.service import Shadow, feeders
+from gateway.shadow.lanes import feeders
+from gateway.shadow.service import Shadow
 from gateway.tenancy.budget import Ledger
 from gateway.tenancy.routing import resolve_routing
+from policies.online_check import wilson
 from tests.conftest import gateway_config
 from tests.fakes import FakeUpstream
 from tests.test_observability import samples, value
@@ -42,7 +44,7 @@ def tenant_settings(**changes) -> TenantSettings:
 
 def make_shadow(routing: dict, upstream: FakeUpstream | None = None, store: MemoryStore | None = None,
                 tenants: int = 1, seed: int = 0, **operator) -> Shadow:
-    alias = SimpleNamespace(settings=SimpleNamespace(routing=RoutingSettings(**routing)),
+    alias = SimpleNamespace(settings=SimpleNamespace(routing=RoutingSettings(**routing)), local=None,
                             upstream=upstream or FakeUpstream("The answer is 42."))
     settings = SimpleNamespace(shadow=OperatorShadowSettings(**operator),
                                tenants=[tenant_settings() for _ in range(tenants)])
@@ -193,7 +195,8 @@ def test_only_like_for_like_answers_of_tenants_whose_data_may_leave_become_cases
                               sampling=SimpleNamespace(temperature=0.0, top_p=1.0),
                               rules=SimpleNamespace(upstream_params=dict))
     decoding = SimpleNamespace(finish_reason=None, request=request, text=SimpleNamespace(text="42"), limit=8,
-                               usage=SimpleNamespace(upstream_cost_usd=0.0), gate=SimpleNamespace(cache_scope="s"))
+                               usage=SimpleNamespace(upstream_cost_usd=0.0), gate=SimpleNamespace(cache_scope="s"),
+                               rated=None)
     tenant = SimpleNamespace(id="demo", settings=SimpleNamespace(allow_upstream=True, shadow=None))
     started = SimpleNamespace(decodings=[decoding], tenant=tenant, alias=SimpleNamespace(name="routed"))
     assert case_of(started) is None  # unfinished (the client left)
@@ -282,7 +285,8 @@ def finished(answer: str, tenant: str = "demo", routing: RoutingOverride | None 
                               continue_final=False, seed=None, stop=(), rules=SimpleNamespace(upstream_params=dict),
                               sampling=SimpleNamespace(temperature=0.0, top_p=1.0))
     decoding = SimpleNamespace(finish_reason="stop", request=request, text=SimpleNamespace(text=answer), limit=16,
-                               usage=SimpleNamespace(upstream_cost_usd=0.0), gate=SimpleNamespace(cache_scope="s"))
+                               usage=SimpleNamespace(upstream_cost_usd=0.0), gate=SimpleNamespace(cache_scope="s"),
+                               rated=None)
     settings = tenant_settings(routing=tenant_routing)
     return SimpleNamespace(decodings=[decoding], tenant=SimpleNamespace(id=tenant, settings=settings),
                            alias=SimpleNamespace(name="routed"), body=SimpleNamespace(routing=routing))
@@ -345,6 +349,18 @@ def test_only_tenants_that_can_feed_a_knob_share_it():
     assert feeders(tenants, "routed", routing) == 1
     assert make_shadow(STEERED).lanes["routed"].tenant_cap is None  # one tenant's knob is its own
     assert make_shadow(STEERED, tenants=2).lanes["routed"].tenant_cap == 3
+
+
+async def test_a_tenant_created_after_start_shares_the_knob_and_the_budget_from_the_next_refresh():
+    directory = [tenant_settings()]
+    alias = SimpleNamespace(settings=SimpleNamespace(routing=RoutingSettings(**STEERED)), local=None,
+                            upstream=FakeUpstream("The answer is 42."))
+    settings = SimpleNamespace(shadow=OperatorShadowSettings(daily={"upstream_cost_usd": 1.0}), tenants=directory[:])
+    shadow = Shadow.of(settings, {"routed": alias}, Ledger(MemoryStore()), tenants=lambda: directory)
+    assert shadow.lanes["routed"].tenant_cap is None and shadow.tenant_limits is None
+    directory.append(tenant_settings(id="api-made"))  # through POST /admin/tenants: not in config.yaml
+    await shadow.sync()
+    assert shadow.lanes["routed"].tenant_cap == 3 and shadow.tenant_limits.day_cost_usd == 0.25
 
 
 async def test_a_shadow_call_asks_for_at_most_shadow_max_tokens():
@@ -505,19 +521,25 @@ async def test_metrics_carry_alias_always_and_tenant_only_while_tenants_are_few(
 # -- integration: real Redis, real gateways --
 
 @pytest.fixture
-def redis_store(redis_url):
+def redis_prefix(redis_url):
+    """A key prefix of this test's own on the real Redis; its keys are deleted after."""
     import uuid
 
-    from adapters.redis_store import RedisStore
-
-    prefix = f"shadow-test-{uuid.uuid4().hex[:8]}"
-    stores = [RedisStore(redis_url, prefix, 2.0, 60.0, 60.0) for _ in range(2)]  # two replicas' clients
-    yield stores
     import redis
 
+    prefix = f"shadow-test-{uuid.uuid4().hex[:8]}"
+    yield prefix
     client = redis.Redis.from_url(redis_url)
     for key in client.scan_iter(f"{prefix}:*"):
         client.delete(key)
+
+
+@pytest.fixture
+def redis_store(redis_url, redis_prefix):
+    """Two replicas' clients of one real Redis, under the test's own prefix."""
+    from adapters.redis_store import RedisStore
+
+    return [RedisStore(redis_url, redis_prefix, 2.0, 60.0, 60.0) for _ in range(2)]
 
 
 @pytest.mark.integration

@@ -116,8 +116,12 @@ class OperatorShadowSettings(_Strict):
                                "gateway has at most this many tenants (0: never).")
 
 
-def quality_problem(shadow: ShadowSettings | None, target: float | None, knob: KnobSettings | None) -> str | None:
-    """Why an alias's quality target could never run (None: it can, or there is none)."""
+def quality_problem(shadow: ShadowSettings | None, target: float | None, knob: KnobSettings | None,
+                    learns: bool = False) -> str | None:
+    """Why an alias's quality target could never run (None: it can, or there is none); `learns`:
+    the alias's `learn` holds the target (gateway/settings/learning.py), not a knob."""
+    if learns:
+        return "learn and knob are two ways to hold a quality_target: give one" if knob is not None else None
     if target is None and knob is None:
         return None
     if target is None or knob is None:

@@ -11,6 +11,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.trace import SpanContext
+
+from gateway.traced import request_trace
+from policies.answer_check import AnswerStats
+
+
+@dataclass(frozen=True)
+class LocalAnswer:
+    """The local answer as its check rated it, before any escalation (a learning alias's example)."""
+
+    stats: AnswerStats
+    text: str
+    prompt_tokens: int
+    agreement: float | None = None  # the agreement check's share of agreeing samples, where it ran
+
 
 @dataclass(frozen=True)
 class ShadowCase:
@@ -30,6 +45,8 @@ class ShadowCase:
     stop: tuple[str, ...] = ()
     scope: str = "shared"  # the tenant's cache scope: the upstream's prefix cache stays its own
     overrides: tuple[dict[str, Any], ...] = ()  # the fields the tenant's and the request's `routing` set
+    local: LocalAnswer | None = None  # where the answer was rated: the local answer before escalation
+    trace: SpanContext | None = None  # the request's span: the shadow call's span is its child
 
 
 def case_of(started: Any) -> ShadowCase | None:
@@ -52,7 +69,15 @@ def case_of(started: Any) -> ShadowCase | None:
         messages=request.messages, prompt=request.prompt, continue_final=request.continue_final,
         temperature=request.sampling.temperature, top_p=request.sampling.top_p, seed=request.seed,
         extra=request.rules.upstream_params(), stop=request.stop, scope=decoding.gate.cache_scope,
-        overrides=_overrides(started))
+        overrides=_overrides(started), local=_local(decoding), trace=request_trace())
+
+
+def _local(decoding: Any) -> LocalAnswer | None:
+    rated = decoding.rated
+    if rated is None:
+        return None
+    stats, text = rated
+    return LocalAnswer(stats, text, len(decoding.prompt_tokens), decoding.usage.agreement)
 
 
 def _overrides(started: Any) -> tuple[dict[str, Any], ...]:

@@ -11,12 +11,12 @@ currency (USD).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
+from policies.online_check import wilson
+
 CURRENCY = "USD"
 SKIP_REASONS = ("budget", "tenant_share", "breaker", "queue", "store", "failed", "unsupported", "length")
 OVERRIDDEN = "o:"  # the prefix of the counters of requests whose routing was overridden
@@ -26,20 +26,14 @@ def tenant_prefix(tenant: str) -> str:
     return f"t:{tenant}:"
 
 
+def check_version_prefix(version: int | None) -> str:
+    """The prefix of a learning alias's counters while `version` of its learned check routes (None:
+    the cold start), so each version's measured agreement and cost are counted apart."""
+    return f"l:{'cold' if version is None else version}:"
+
+
 def format_prefix(fmt: str) -> str:
     return f"fmt:{fmt}:"
-
-
-def wilson(successes: float, n: float, z: float = Z95) -> tuple[float, float] | None:
-    """The Wilson score interval of a proportion (None with no trials): unlike the normal
-    approximation it stays inside [0, 1] and is honest at 0/n and n/n with few samples."""
-    if n <= 0:
-        return None
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    low = 0.0 if successes <= 0 else max(0.0, centre - half)  # exact at the ends, not 1 - 1e-16
-    return low, 1.0 if successes >= n else min(1.0, centre + half)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from gateway.shadow.figures import figures_of, tenant_prefix, tenants_in
+from gateway.shadow.figures import check_version_prefix, figures_of, tenant_prefix, tenants_in
 from gateway.shadow.service import Shadow
 
 COUNTERS = {  # event -> (family, help, label names after alias)
@@ -30,6 +30,7 @@ COUNTERS = {  # event -> (family, help, label names after alias)
     "cost": ("gateway_shadow_cost_usd", "Upstream cost of the compared samples: the routed answers' (routed) and "
              "the shadow calls' (upstream_only).", ["answer"]),
     "moves": ("gateway_shadow_knob_moves", "Moves of a quality target's knob, by direction.", ["direction"]),
+    "examples": ("gateway_learning_examples", "Learning examples this process added (routing.learn).", []),
 }
 
 
@@ -67,6 +68,8 @@ class ShadowCollector:
             gauges["savings"].add_metric([alias], figures.savings)
             for tenant in tenants_in(counts) if shadow.tenant_labels else ():
                 _agreement(gauges["tenant_agreement"], [alias, tenant], figures_of(counts, tenant_prefix(tenant)))
+            if lane.learner is not None:
+                _learning(lane.learner, counts, gauges)
 
     @staticmethod
     def _counters() -> dict[str, CounterMetricFamily]:
@@ -89,6 +92,7 @@ class ShadowCollector:
                                          "compared samples" + pooled, labels=["alias"]),
             "knob": GaugeMetricFamily("gateway_shadow_knob", "A quality target's knob: its current value.",
                                       labels=["alias", "field"]),
+            **_learning_gauges(pooled),
             "queue": GaugeMetricFamily("gateway_shadow_queue_depth", "Sampled answers waiting for a shadow call.",
                                        labels=[]),
         }
@@ -100,3 +104,42 @@ def _agreement(family: GaugeMetricFamily, labels: list[str], figures: Any) -> No
     low, high = figures.interval
     for bound, value in (("estimate", figures.agreement), ("low", low), ("high", high)):
         family.add_metric([*labels, bound], value)
+
+
+def _learning_gauges(pooled: str) -> dict[str, GaugeMetricFamily]:
+    return {
+        "learn_examples": GaugeMetricFamily("gateway_learning_examples_pooled", "Learning examples ever added "
+                                            "for the alias and its local model" + pooled, labels=["alias"]),
+        "learn_version": GaugeMetricFamily("gateway_learning_version", "The learned check's version routing now "
+                                           "(0: cold start)" + pooled, labels=["alias"]),
+        "learn_auc": GaugeMetricFamily("gateway_learning_auc", "The learned check's ranking (AUC): on held-out "
+                                       "examples (held_out) and on those since its promotion (live)" + pooled,
+                                       labels=["alias", "set"]),
+        "learn_bar": GaugeMetricFamily("gateway_learning_escalate_below", "The bar chosen for the learned check"
+                                       + pooled, labels=["alias"]),
+        "learn_agreement": GaugeMetricFamily("gateway_learning_agreement", "Agreement with upstream-only: predicted "
+                                             "by the held-out examples' Wilson lower bound (predicted_low), point "
+                                             "estimate (predicted), and measured while this version routed "
+                                             "(measured)" + pooled, labels=["alias", "kind"]),
+        "learn_cost": GaugeMetricFamily("gateway_learning_cost_ratio", "Routed cost against upstream-only's of the "
+                                        "samples while this version (or the cold start) routed" + pooled,
+                                        labels=["alias"]),
+    }
+
+
+def _learning(learner: Any, counts: dict[str, float], gauges: dict[str, GaugeMetricFamily]) -> None:
+    alias, state = learner.alias, learner.state
+    gauges["learn_examples"].add_metric([alias], learner.examples)
+    gauges["learn_version"].add_metric([alias], learner.version or 0)
+    for name, value in (("held_out", state.auc), ("live", state.live_auc)):
+        if value is not None and learner.version is not None:
+            gauges["learn_auc"].add_metric([alias, name], value)
+    measured = figures_of(counts, check_version_prefix(learner.version))
+    if learner.version is not None and state.bar is not None:
+        gauges["learn_bar"].add_metric([alias], state.bar.value)
+        gauges["learn_agreement"].add_metric([alias, "predicted"], state.bar.agreement)
+        gauges["learn_agreement"].add_metric([alias, "predicted_low"], state.bar.agreement_low)
+    if measured.agreement is not None:
+        gauges["learn_agreement"].add_metric([alias, "measured"], measured.agreement)
+    if measured.cost_ratio is not None:
+        gauges["learn_cost"].add_metric([alias], measured.cost_ratio)

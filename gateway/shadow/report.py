@@ -8,8 +8,17 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-from gateway.shadow.figures import CURRENCY, OVERRIDDEN, figures_of, tenant_prefix, tenants_in, timeline
-from gateway.shadow.service import Lane, Shadow
+from gateway.shadow.figures import (
+    CURRENCY,
+    OVERRIDDEN,
+    check_version_prefix,
+    figures_of,
+    tenant_prefix,
+    tenants_in,
+    timeline,
+)
+from gateway.shadow.lanes import Lane
+from gateway.shadow.service import Shadow
 
 MAX_MINUTES = 7 * 24 * 60
 
@@ -50,7 +59,22 @@ async def _alias_entry(shadow: Shadow, lane: Lane, buckets: list[int]) -> dict[s
         "tenants": _tenants(totals),
         "overridden": {"figures": figures_of(totals, OVERRIDDEN).body(), "tenants": _tenants(totals, OVERRIDDEN)},
         "timeline": timeline((bucket * shadow.settings.bucket_s, row) for bucket, row in zip(buckets, rows)),
+        "learning": _learning(lane, totals),
     }
+
+
+def _learning(lane: Lane, totals: dict[str, float]) -> dict[str, Any] | None:
+    """A learning alias's state: its learner's, with the agreement and cost measured while the
+    version routing now (or the cold start) did, beside what the held-out examples predicted."""
+    learner = lane.learner
+    if learner is None:
+        return None
+    measured = figures_of(totals, check_version_prefix(learner.version))
+    bar = learner.state.bar if learner.version is not None else None
+    return {**learner.report(), "predicted_agreement": bar.agreement if bar else None,
+            "predicted_escalated_share": bar.escalated_share if bar else None,
+            "measured": {"samples": measured.samples, "agreement": measured.body()["agreement"],
+                         "interval": measured.body()["interval"], "cost_ratio": measured.body()["cost_ratio"]}}
 
 
 def _tenants(totals: dict[str, float], prefix: str = "") -> dict[str, Any]:

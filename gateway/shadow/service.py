@@ -14,72 +14,53 @@ An alias with a quality target feeds each sample into its knob's pooled window; 
 move the knob (gateway/shadow/controller.py), and `routing_of` hands the moved value to admission.
 The knob learns only from traffic it governs: a request whose tenant's or own `routing` changed
 the alias's (cases.changes_routing) is counted apart (figures.OVERRIDDEN) and never fed to it; and
-where two or more tenants can feed it, one tenant fills at most half of each window
-(`_within_share`), so no tenant moves it alone.
+where two or more tenants can feed it (counted at each refresh, tenants created through the admin
+API included: `count_tenants`), one tenant fills at most half of each window (`_within_share`), so
+no tenant moves it alone.
+
+An alias with `routing.learn` turns the samples of its own routing into labelled examples instead
+(gateway/shadow/learning.py): `routing_of` hands admission the routing its learned check (or cold
+start) runs, and a background task per learning alias fits and promotes checks. Lanes
+(gateway/shadow/lanes.py) carry on through a reload that leaves their alias alone (`of`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import math
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from dataclasses import replace
 from typing import Any
 
-from adapters.store import Limits, Reservation, StoreUnavailable
-from adapters.upstream import Continuation, Continuations, UpstreamUnavailable
+from adapters.store import Limits, StoreUnavailable
+from adapters.upstream import Continuation, UpstreamUnavailable
 from gateway.settings import OperatorShadowSettings, RoutingSettings, TenantSettings
-from gateway.shadow.cases import ShadowCase, changes_routing, cut_at_stop, set_fields
-from gateway.shadow.controller import KnobController
-from gateway.shadow.figures import OVERRIDDEN, sample_counts, tenant_prefix
-from gateway.tenancy.budget import RESERVATION_MARGIN_S, HandoffGate, Ledger, billed
+from gateway.shadow.cases import ShadowCase, cut_at_stop
+from gateway.shadow.figures import OVERRIDDEN, check_version_prefix, sample_counts, tenant_prefix
+from gateway.shadow.lanes import Lane, feeders, lane_of
+from gateway.shadow.learning import keep_learning
+from gateway.shadow.spending import Spend, share_ledger, tenant_share_limits
+from gateway.tenancy.budget import RESERVATION_MARGIN_S, HandoffGate, Ledger
+from gateway.traced import later_span
 from policies.agreement import answer_format, same_answer
 
 log = logging.getLogger("gateway.shadow")
-
-
-@dataclass
-class Lane:
-    """One alias's shadow state in this process."""
-
-    name: str
-    upstream: Continuations
-    routing: RoutingSettings  # as configured
-    controller: KnobController | None = None
-    knob: str = ""  # the knob's name in the Store
-    start: float = 0.0  # the knob's value until first moved
-    steered: RoutingSettings | None = None  # `routing` with the knob's current value
-    tenant_cap: int | None = None  # most samples one tenant puts in a knob window; None: one tenant feeds it
-
-    def governs(self, case: ShadowCase) -> bool:
-        """Whether `case` ran the alias's own routing (its sample may feed the knob and the figures)."""
-        return not changes_routing(self.routing, case.overrides)
-
-    def steer(self, value: float) -> float:
-        """Take the knob's value; returns the value it had before."""
-        field = self.controller.knob.field
-        before = getattr(self.steered or self.routing, field)
-        if value != before or self.steered is None:
-            self.steered = self.routing.model_copy(update={field: value})
-        return before
+Tenants = Callable[[], Iterable[TenantSettings]]  # the tenants now (config.yaml's and the admin API's)
 
 
 class Shadow:
     """Shadow answers for every alias with `routing.shadow` (see the module docstring)."""
 
     def __init__(self, settings: OperatorShadowSettings, lanes: Mapping[str, Lane], ledger: Ledger,
-                 tenant_count: int = 0, rng: random.Random | None = None) -> None:
-        self.settings, self.lanes, self.ledger = settings, dict(lanes), ledger
+                 tenants: Tenants = tuple, rng: random.Random | None = None, running: "Shadow | None" = None) -> None:
+        self.settings, self.lanes, self.ledger, self.tenants = settings, dict(lanes), ledger, tenants
         self.limits = Limits(settings.daily.upstream_tokens, settings.daily.upstream_cost_usd,
                              settings.monthly.upstream_tokens, settings.monthly.upstream_cost_usd)
-        # one tenant's bound; None: none (with one tenant, its share would only idle the rest of the budget)
-        self.tenant_limits = tenant_share_limits(self.limits, settings.tenant_share) if tenant_count > 1 else None
-        self.tenant_labels = 0 < tenant_count <= settings.tenant_labels  # tenant ids become metric labels
+        self.tenant_limits: Limits | None = None  # one tenant's bound (`count_tenants`)
+        self.tenant_labels = False  # tenant ids become metric labels (`count_tenants`)
         self.queue: asyncio.Queue[tuple[Lane, ShadowCase]] = asyncio.Queue(settings.queue)
         self.rng = rng or random.Random()
         self.counts: Counter[tuple[str, ...]] = Counter()  # this process's events, for /metrics
@@ -87,24 +68,51 @@ class Shadow:
         self._pending: dict[str, Counter[str]] = {name: Counter() for name in self.lanes}  # not yet in the store
         self.store_calls: Counter[str] = Counter()  # "write", "read": what shadowing costs the store
         self.in_flight = 0
+        self._running = running  # the service this one replaces, until `tasks` takes over from it
+        self.count_tenants()
 
     @classmethod
-    def of(cls, settings: Any, aliases: Mapping[str, Any], ledger: Ledger,
-           rng: random.Random | None = None) -> "Shadow | None":
+    def of(cls, settings: Any, aliases: MutableMapping[str, Any], ledger: Ledger, rng: random.Random | None = None,
+           *, running: "Shadow | None" = None, tenants: Tenants | None = None) -> "Shadow | None":
         """The service for `settings` (the whole tree) over the runtime's `aliases`, or None when no
-        alias shadows."""
+        alias shadows. A learning alias's entry in `aliases` is replaced by one whose answer check
+        is its learner's live check, which the decoder then rates its answers with. May hash a local
+        model file (a new learner's): call off the event loop.
+
+        `running`: the service this one replaces on a reload. An alias whose local model and
+        routing did not change carries its lane on (gateway/shadow/lanes.py: its learner, live
+        check and knob value), and `tasks` takes over the running service's pending counts, process
+        counters and queued cases (see `_take_over`). `tenants`: the tenants to count, read at each
+        refresh (`count_tenants`); None: config.yaml's (`settings.tenants`)."""
+        before = running.lanes if running is not None else {}
         lanes = {}
-        for name, alias in aliases.items():
-            routing = alias.settings.routing
-            if routing.shadow is not None and alias.upstream is not None:
-                lanes[name] = _lane(name, alias.upstream, routing, feeders(settings.tenants, name, routing))
+        for name, alias in list(aliases.items()):
+            lane = lane_of(name, alias, settings, before.get(name))
+            if lane is None:
+                continue
+            lanes[name] = lane
+            if lane.learner is not None:
+                aliases[name] = replace(alias, answer_check=lane.learner.live)
         if not lanes:
             return None
-        return cls(settings.shadow, lanes, ledger, len(settings.tenants), rng)
+        return cls(settings.shadow, lanes, ledger, tenants or (lambda: settings.tenants), rng, running)
+
+    def count_tenants(self) -> None:
+        """Count the tenants now (`self.tenants()`: config.yaml's and those created through the
+        admin API) and set what depends on them: one tenant's bound on the shadow budget and on each
+        lane (`Lane.count_feeders`), and whether tenant ids label the metrics. Runs at each sync,
+        so a new tenant counts within `shadow.refresh_s`."""
+        tenants = list(self.tenants())
+        self.tenant_limits = tenant_share_limits(self.limits, self.settings.tenant_share) if len(tenants) > 1 else None
+        self.tenant_labels = 0 < len(tenants) <= self.settings.tenant_labels
+        for lane in self.lanes.values():
+            lane.count_feeders(feeders(tenants, lane.name, lane.routing))
 
     def routing_of(self, alias: str, routing: RoutingSettings) -> RoutingSettings:
         """`routing` (the alias's own) with its knob's current value, if a controller moves one."""
         lane = self.lanes.get(alias)
+        if lane is not None and lane.learner is not None:
+            return lane.learner.routing_of(routing)
         return routing if lane is None or lane.steered is None else lane.steered
 
     def offer(self, case: ShadowCase | None) -> None:
@@ -112,7 +120,7 @@ class Shadow:
         lane = self.lanes.get(case.alias) if case is not None else None
         if lane is None:
             return
-        rate = lane.routing.shadow.rate if case.tenant_rate is None else case.tenant_rate
+        rate = lane.rate if case.tenant_rate is None else case.tenant_rate
         if rate <= 0:
             return  # the tenant is off: not even eligible
         self._note(lane, case, "eligible")
@@ -128,8 +136,36 @@ class Shadow:
             self._skip(lane, "queue", case)
 
     def tasks(self) -> list[Any]:
-        """The coroutines to run for the service's life: the workers and the refresher."""
-        return [self.work() for _ in range(self.settings.workers)] + [self.refresh()]
+        """The coroutines to run for the service's life: the workers, the refresher and one learning
+        loop per learning alias. Called once, on the event loop, when the service starts serving:
+        first it takes over what the service it replaces still holds (`_take_over`)."""
+        self._take_over()
+        learning = [keep_learning(lane.learner, self.ledger.store, self.store_calls)
+                    for lane in self.lanes.values() if lane.learner is not None]
+        return [self.work() for _ in range(self.settings.workers)] + [self.refresh()] + learning
+
+    def _take_over(self) -> None:
+        """Take from the service this one replaces (its tasks stopped, or about to): its process
+        counters and pending counts of the aliases still shadowed, and the queued cases of carried
+        lanes. Cases of an alias that no longer shadows, or whose routing or model changed (they ran
+        other routing than the lane's now), are dropped."""
+        running, self._running = self._running, None
+        if running is None:
+            return
+        self.counts.update({key: n for key, n in running.counts.items() if key[1] in self.lanes})
+        self.store_calls.update(running.store_calls)
+        for name, pending in running._pending.items():
+            if name in self._pending:
+                self._pending[name].update(pending)
+        while not running.queue.empty():
+            lane, case = running.queue.get_nowait()
+            running.queue.task_done()
+            carried = self.lanes.get(lane.name)
+            if carried is not None and carried.carried:
+                try:
+                    self.queue.put_nowait((carried, case))
+                except asyncio.QueueFull:
+                    self._skip(carried, "queue", case)
 
     async def work(self) -> None:
         """Run until cancelled: answer queued cases one at a time."""
@@ -137,7 +173,8 @@ class Shadow:
             lane, case = await self.queue.get()
             self.in_flight += 1
             try:
-                await self.answer(lane, case)
+                with later_span("gateway.shadow_call", case.trace, {"gateway.alias": lane.name}):
+                    await self.answer(lane, case)
             except Exception:  # noqa: BLE001 - one bad case must not stop the worker
                 log.exception("shadow answer of alias %s failed", lane.name)
             finally:
@@ -145,25 +182,42 @@ class Shadow:
                 self.queue.task_done()
 
     async def refresh(self) -> None:
-        """Run until cancelled: every `refresh_s`, write pending counts and read the pooled figures
-        and knob values, so that every replica steers by the same value."""
+        """Run until cancelled: sync at once (a new or reloaded service reads the promoted checks
+        and knob values before its first interval), then every `refresh_s`, so that every replica
+        steers by the same value."""
         while True:
-            await asyncio.sleep(self.settings.refresh_s)
             await self.sync()
+            await asyncio.sleep(self.settings.refresh_s)
 
     async def sync(self) -> None:
-        """Write pending counts, read each alias's pooled counters and knob (store faults: next time)."""
+        """Count the tenants, then per alias write pending counts and read its pooled counters,
+        promoted check and knob. Never raises: a store fault waits for the next sync, any other
+        fault is logged and skips that alias (or the count) this time."""
+        try:
+            self.count_tenants()
+        except Exception:  # noqa: BLE001 - the last count stands; the refresher must go on
+            log.exception("counting the tenants that feed shadow answers failed")
         for lane in self.lanes.values():
-            with contextlib.suppress(StoreUnavailable):
-                if self._pending[lane.name]:
-                    await self._write(lane, {})
-                self.store_calls["read"] += 1
-                self.pooled[lane.name], _ = await self.ledger.store.quality_read(lane.name)
-                if lane.controller is not None:
-                    self.store_calls["read"] += 1
-                    value = await self.ledger.store.knob_read(lane.knob)
-                    if value is not None:
-                        lane.steer(value)
+            try:
+                await self._sync_lane(lane)
+            except StoreUnavailable:
+                continue
+            except Exception:  # noqa: BLE001 - one bad record must not stop the refresher
+                log.exception("shadow sync of alias %s failed", lane.name)
+
+    async def _sync_lane(self, lane: Lane) -> None:
+        if self._pending[lane.name]:
+            await self._write(lane, {})
+        self.store_calls["read"] += 1
+        self.pooled[lane.name], _ = await self.ledger.store.quality_read(lane.name)
+        if lane.learner is not None:
+            self.store_calls["read"] += 1
+            await lane.learner.sync(self.ledger.store)
+        if lane.controller is not None:
+            self.store_calls["read"] += 1
+            value = await self.ledger.store.knob_read(lane.knob)
+            if value is not None:
+                lane.steer(value)
 
     async def answer(self, lane: Lane, case: ShadowCase) -> bool | None:
         """Ask, compare and count one case; None when it was skipped (counted by reason)."""
@@ -181,8 +235,20 @@ class Shadow:
                                     upstream.worst_case_s + RESERVATION_MARGIN_S)
         if isinstance(spend, str):
             return self._skip(lane, spend, case)
+        got = await self._call(lane, case, handoff, max_tokens, spend)
+        if got is None:
+            return self._skip(lane, "failed", case)
+        direct = cut_at_stop(got.text, case.stop)
+        if max_tokens < case.max_tokens and not got.finished and direct == got.text:
+            return self._skip(lane, "length", case)  # cut by shadow.max_tokens, not the routed answer's own limit
+        return await self._compare(lane, case, direct, got.cost_usd)
+
+    async def _call(self, lane: Lane, case: ShadowCase, handoff: Any, max_tokens: int,
+                    spend: Spend) -> Continuation | None:
+        """The upstream's direct answer to `handoff`, settled on `spend`; None when the upstream
+        failed (`spend` released)."""
         greedy = lane.routing.shadow.sampling == "greedy"
-        call = asyncio.ensure_future(upstream.continue_text(
+        call = asyncio.ensure_future(lane.upstream.continue_text(
             handoff, max_tokens, 0.0 if greedy else case.temperature, 1.0 if greedy else case.top_p,
             None if greedy else case.seed, case.extra))
         try:
@@ -190,15 +256,12 @@ class Shadow:
         except UpstreamUnavailable as exc:
             await spend.release()
             log.info("shadow call of alias %s failed: %s", lane.name, exc)
-            return self._skip(lane, "failed", case)
+            return None
         except BaseException:  # shut down mid-call: the upstream bills it all the same
             spend.finish_in_background(call)
             raise
         await spend.settle(got)
-        direct = cut_at_stop(got.text, case.stop)
-        if max_tokens < case.max_tokens and not got.finished and direct == got.text:
-            return self._skip(lane, "length", case)  # cut by shadow.max_tokens, not the routed answer's own limit
-        return await self._compare(lane, case, direct, got.cost_usd)
+        return got
 
     async def _reserve(self, tenant: str, tokens: int, cost_usd: float, ttl_s: float) -> Spend | str:
         """Hold one shadow call on the tenant's share (if bounded), then on the operator's budget;
@@ -233,12 +296,32 @@ class Shadow:
             self.counts["tenant_samples", lane.name, case.tenant, outcome] += 1
         self.counts["cost", lane.name, "routed"] += case.routed_cost
         self.counts["cost", lane.name, "upstream_only"] += direct_cost
+        if lane.learner is not None:
+            await self._learn(lane, case, direct, fmt, agreed, direct_cost)
         in_bucket = {"samples": 1.0, "agreed": float(agreed)}
         await self._write(lane, sample_counts(case.tenant, fmt, agreed, case.routed_cost, direct_cost), in_bucket,
                           case)
         if lane.controller is not None:
             await self._steer(lane, case.tenant, agreed)
         return agreed
+
+    async def _learn(self, lane: Lane, case: ShadowCase, direct: str, fmt: str, agreed: bool,
+                     direct_cost: float) -> None:
+        """Count the sample under the learned check's version routing now (the measured agreement
+        and cost), and keep the example of an answer that was rated (learning.py)."""
+        learner = lane.learner
+        prefix = check_version_prefix(learner.version)
+        sampled = {"samples": 1.0, "agreed": float(agreed), "routed_cost": case.routed_cost, "upstream_cost": direct_cost}
+        self._pending[lane.name].update({prefix + key: value for key, value in sampled.items()})
+        if case.local is None:
+            return
+        local_agreed = same_answer(direct, cut_at_stop(case.local.text, case.stop), fmt)
+        try:
+            self.store_calls["write"] += 1
+            if await learner.add(self.ledger.store, case, case.local, local_agreed, fmt):
+                self.counts["examples", lane.name] += 1
+        except StoreUnavailable:
+            self.counts["skipped", lane.name, "store"] += 1
 
     async def _write(self, lane: Lane, counts: Mapping[str, float], in_bucket: Mapping[str, float] | None = None,
                      sampled: ShadowCase | None = None) -> None:
@@ -312,68 +395,3 @@ class Shadow:
 
 
 WINDOWS = ":windows"  # after a knob's name: the store's count of its full windows (see `_within_share`)
-
-
-@dataclass
-class Spend:
-    """One shadow call's reservations (the tenant's share, the operator's), settled or released together."""
-
-    held: list[tuple[HandoffGate, Reservation]] = field(default_factory=list)
-
-    async def settle(self, got: Continuation) -> None:
-        for gate, reservation in self.held:
-            await gate.settle(reservation, billed(got))
-
-    async def release(self) -> None:
-        for gate, reservation in self.held:
-            await gate.release(reservation)
-
-    def finish_in_background(self, call: asyncio.Future) -> None:
-        """Shut down mid-call: each ledger bills what the call reports once it ends (see HandoffGate)."""
-        for gate, reservation in self.held:
-            gate.finish_in_background(reservation, call, lambda done, g=gate, r=reservation: g.settle(r, billed(done)))
-
-
-def share_ledger(operator: str, tenant: str) -> str:
-    """The ledger id of one tenant's shadow spending: never a client tenant's own (tenant ids hold no ':')."""
-    return f"{operator}:{tenant}"
-
-
-def tenant_share_limits(limits: Limits, share: float) -> Limits | None:
-    """`share` of the operator's `limits`, one tenant's bound; None when there is none to share (an
-    unlimited operator, or a share of 1)."""
-    if limits.unlimited or share >= 1:
-        return None
-
-    def tokens(limit: int | None) -> int | None:
-        return None if limit is None else int(limit * share)
-
-    def cost(limit: float | None) -> float | None:
-        return None if limit is None else limit * share
-
-    return Limits(tokens(limits.day_tokens), cost(limits.day_cost_usd), tokens(limits.month_tokens),
-                  cost(limits.month_cost_usd))
-
-
-def feeders(tenants: Iterable[TenantSettings], alias: str, routing: RoutingSettings) -> int:
-    """How many tenants' samples can feed the alias's knob: those that may use it, whose data may
-    leave (allow_upstream), whose shadow is not off, and whose own `routing` leaves the alias's as it is."""
-    return sum(1 for tenant in tenants
-               if tenant.may_use(alias) and tenant.allow_upstream
-               and (tenant.shadow is None or tenant.shadow.rate > 0)
-               and not changes_routing(routing, [set_fields(tenant.routing)]))
-
-
-def _lane(name: str, upstream: Continuations, routing: RoutingSettings, feeding: int = 1) -> Lane:
-    lane = Lane(name, upstream, routing)
-    if routing.quality_target is None:
-        return lane
-    configured = getattr(routing, routing.knob.field)
-    lane.controller = KnobController(routing.quality_target, routing.knob, routing.knob.quality_sign(routing.policy))
-    lane.knob = lane.controller.key(name, routing.policy, configured)
-    lane.start = lane.controller.initial(configured)
-    lane.steer(lane.start)
-    if feeding > 1:  # a knob one tenant alone feeds is that tenant's: no share to keep
-        lane.tenant_cap = math.ceil(routing.knob.window / 2)
-    return lane
-
