@@ -46,7 +46,6 @@ from adapters.upstream_server import free_port
 from bench import decoding_for, llama_batched_bench
 from bench.support import wait_http
 from gateway.decoding.decoder import DecodeRequest
-from policies import build_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "You are a storyteller. Write vivid, flowing prose without lists or headings. " * 3
@@ -102,7 +101,7 @@ def summary(streams: list[Stream]) -> tuple[float, list[float]]:
 
 
 async def engine_stream(local: LocalModel, index: int, round_tag: int, tokens: int, started: float) -> Stream:
-    request = DecodeRequest(messages=messages(index, round_tag), max_tokens=tokens, policy=build_policy("never"))
+    request = DecodeRequest(messages=messages(index, round_tag), max_tokens=tokens)
     decoding = decoding_for(local, None, request)
     first = None
     async for piece in decoding.pieces():

@@ -40,7 +40,7 @@ def llama_greedy(llm: Llama, tokens: list[int], count: int) -> float:
 
 
 async def decoder_never(local: LocalModel, count: int) -> float:
-    request = DecodeRequest(messages=PROMPT, max_tokens=count, policy=build_policy("never"))
+    request = DecodeRequest(messages=PROMPT, max_tokens=count)  # local only
     decoding = decoding_for(local, None, request)
     local.engine.forget()  # start cold, as llama_greedy does after reset()
     seconds = await timed(decoding)

@@ -23,7 +23,6 @@ from adapters.model_files import resolve_model
 from bench import decoding_for, timed
 from fitting.datasets import GSM8K_JSON_SCHEMA, load_items
 from gateway.decoding.decoder import DecodeRequest
-from policies import build_policy
 
 
 class CountingGrammar(Grammar):
@@ -37,7 +36,7 @@ class CountingGrammar(Grammar):
 
 
 async def decode(local: LocalModel, messages: list[dict], tokens: int, grammar: str | None) -> tuple[float, int]:
-    request = DecodeRequest(messages=messages, max_tokens=tokens, policy=build_policy("never"), grammar=grammar)
+    request = DecodeRequest(messages=messages, max_tokens=tokens, grammar=grammar)
     decoding = decoding_for(local, None, request)
     seconds = await timed(decoding)
     return len(decoding.answer_tokens) / seconds, len(decoding.answer_tokens)

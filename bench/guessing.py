@@ -32,6 +32,7 @@ from adapters.model_files import resolve_model
 from adapters.upstream_server import UpstreamServer
 from bench import decoding_for, timed
 from gateway.decoding.decoder import GUESS_LIMIT, DecodeRequest, Decoding
+from gateway.decoding.values import RequestRouting
 from gateway.runtime import make_upstream
 from gateway.settings import LaunchSettings, UpstreamSettings
 from policies import build_policy
@@ -116,7 +117,7 @@ class Tally:
 async def decode(local: LocalModel, upstream: Any, prompt: str, tokens: int, policy: str, guess: int,
                  share: float) -> tuple[float, Decoding]:
     request = DecodeRequest(messages=[{"role": "user", "content": prompt}], max_tokens=tokens,
-                            policy=build_policy(policy, target_fraction=share), guess_ahead=guess)
+                            routing=RequestRouting(build_policy(policy, target_fraction=share)), guess_ahead=guess)
     decoding = decoding_for(local, upstream, request)
     return await timed(decoding), decoding
 

@@ -26,8 +26,10 @@ from adapters.upstream_server import UpstreamServer, forgetful_args
 from bench import decoding_for, timed
 from fitting.datasets import load_items
 from gateway.decoding.decoder import DecodeRequest, Decoding
+from gateway.decoding.values import RequestRouting
 from gateway.runtime import make_upstream
 from gateway.settings import LaunchSettings, UpstreamSettings
+from gateway.settings.routing_values import HandoffRule
 from policies import build_policy
 
 
@@ -63,8 +65,8 @@ class Totals:
 
 async def decode(local: LocalModel, upstream: Upstream | None, messages: list[dict], max_tokens: int, policy: str,
                  threshold: float | None, span: int, until: str) -> tuple[float, Decoding]:
-    request = DecodeRequest(messages=messages, max_tokens=max_tokens, span=span, span_until=until,
-                            policy=build_policy(policy, threshold=threshold))
+    routing = RequestRouting(build_policy(policy, threshold=threshold), HandoffRule(span, until))
+    request = DecodeRequest(messages=messages, max_tokens=max_tokens, routing=routing)
     decoding = decoding_for(local, upstream, request)
     return await timed(decoding), decoding
 

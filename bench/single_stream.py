@@ -47,7 +47,6 @@ from adapters.local_model import LocalModel
 from adapters.model_files import resolve_model
 from bench import decoding_for, llama_batched_bench
 from gateway.decoding.decoder import DecodeRequest
-from policies import build_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_TOKENS = 64
@@ -131,7 +130,7 @@ def engine_ms(local: LocalModel, prompt: list[int], steps: int) -> float:
 def decoder_ms(local: LocalModel, steps: int) -> float:
     """Milliseconds per token of the collaborative decoder (policy `never`) after its first token."""
     async def run() -> float:
-        request = DecodeRequest(messages=QUESTION, max_tokens=steps, policy=build_policy("never"))
+        request = DecodeRequest(messages=QUESTION, max_tokens=steps)
         decoding = decoding_for(local, None, request)
         first = None
         async for piece in decoding.pieces():

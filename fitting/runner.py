@@ -31,6 +31,8 @@ from fitting.session import Models
 from fitting.summary import summarize
 from gateway.decoding.cost_ceiling import CostCeiling, cost_ratio
 from gateway.decoding.decoder import DecodeRequest, Decoding
+from gateway.decoding.values import RequestRouting
+from gateway.settings.routing_values import AnswerReview, CeilingRule, HandoffRule
 from gateway.tenancy.budget import HandoffGate, Ledger
 from policies import Policy, Signal
 from policies.agreement import AgreementCheck
@@ -139,12 +141,13 @@ async def evaluate(models: Models, plan: RunPlan, spec: ConfigSpec, item: Item,
         policy = spec.policy_object(models.router)
     grammar = gbnf_for("json_schema", item.meta["schema"]) if "schema" in item.meta else None
     priced = spec.uses_upstream and models.upstream is not None  # every routed answer reports its cost ratio
-    ceiling = CostCeiling(spec.max_cost_ratio, models.upstream.prices, 0) if priced else None
-    request = DecodeRequest(messages=item.messages, max_tokens=plan.max_tokens, policy=policy,
-                            span=spec.span(plan.max_tokens), span_until=spec.until, grammar=grammar,
-                            ceiling=ceiling, on_ceiling=spec.on_ceiling, escalation=spec.escalation,
-                            answer_check=AgreementCheck(spec.agree, answer=spec.keep) if spec.agree else models.check,
-                            escalate_below=spec.escalate_below, held=True, answer_lengths=spec.windows.answer_lengths)
+    rule = CeilingRule(spec.max_cost_ratio, spec.on_ceiling)
+    ceiling = CostCeiling(rule, models.upstream.prices, 0) if priced else None
+    check = AgreementCheck(spec.agree, answer=spec.keep) if spec.agree else models.check
+    routing = RequestRouting(policy, HandoffRule(spec.span(plan.max_tokens), spec.until), ceiling,
+                             AnswerReview(check, spec.escalate_below, spec.escalation, held=True),
+                             answer_lengths=spec.windows.answer_lengths)
+    request = DecodeRequest(messages=item.messages, max_tokens=plan.max_tokens, routing=routing, grammar=grammar)
     record: dict[str, Any] = {"id": item.id, "row": item.row, "config": spec.name, "dataset": plan.dataset,
                               "gold": item.gold}
     if spec.uses_upstream and plan.parallel == 1:  # with items in flight together, their sequences stay

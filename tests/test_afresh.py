@@ -17,6 +17,8 @@ from fitting.afresh import derived, fit
 from fitting.configs import parse_config
 from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.decoder import DecodeRequest, Decoding
+from gateway.decoding.values import RequestRouting
+from gateway.settings.routing_values import AnswerReview, CeilingRule
 from gateway.tenancy.budget import HandoffGate, Ledger
 from policies import Signal, build_policy
 from policies.answer_check import FEATURES, AnswerCheck, AnswerStats
@@ -40,8 +42,9 @@ def decoding(check: AnswerCheck | None, below: float | None, held: bool = True, 
     local = local or FakeLocalModel(VOCAB, "Paris is nice.")
     upstream = upstream or FakeUpstream("Paris is big.", chars_per_token=20)
     gate = HandoffGate(Ledger(store or MemoryStore()), "t", limits, allowed=True)
-    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=20, policy=build_policy(policy, **policy_kw),
-                            answer_check=check, escalate_below=below, held=held, ceiling=ceiling)
+    routing = RequestRouting(build_policy(policy, **policy_kw), ceiling=ceiling,
+                             review=AnswerReview(check, escalate_below=below, held=held))
+    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=20, routing=routing)
     return Decoding(local, upstream, gate, request)
 
 
@@ -111,17 +114,17 @@ async def test_the_cost_ceiling_holds_for_the_fresh_call():
     upstream = FakeUpstream("Paris is big.", chars_per_token=1)
     # hand-offs of every token spend the answer's allowance first: no room is left to ask afresh
     run = decoding(constant(0.3), below=0.5, upstream=upstream, policy="always",
-                   ceiling=CostCeiling(1.0, upstream.prices, 10))
+                   ceiling=CostCeiling(CeilingRule(1.0), upstream.prices, 10))
     await text_of(run)
     assert not run.usage.afresh and "cost_ceiling" in run.usage.degraded
-    assert run.request.ceiling.spent_usd <= run.request.ceiling.direct_usd() + 1e-12
+    assert run.request.routing.ceiling.spent_usd <= run.request.routing.ceiling.direct_usd() + 1e-12
 
 
 async def test_an_answer_the_upstream_finished_by_escalating_is_not_asked_afresh_again():
     upstream = FakeUpstream("Paris is big.", chars_per_token=1)
     unsure = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset(range(20)))
     run = decoding(constant(0.3), below=0.5, upstream=upstream, policy="always", local=unsure,
-                   ceiling=CostCeiling(None, upstream.prices, 0), answer_value=1000.0)
+                   ceiling=CostCeiling(CeilingRule(), upstream.prices, 0), answer_value=1000.0)
     assert await text_of(run) == "Paris is big."
     assert run.usage.escalated and not run.usage.afresh and run.usage.answer_confidence is None
     assert all(call.answer for call in upstream.calls[1:])  # each call continued the answer; none began anew
@@ -130,10 +133,10 @@ async def test_an_answer_the_upstream_finished_by_escalating_is_not_asked_afresh
 async def test_an_answer_replaced_by_a_fresh_escalation_is_not_rated_with_the_discarded_ones_signals():
     upstream = FakeUpstream("Paris is big.", chars_per_token=1)
     unsure = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset(range(20)), lean=2.0)
-    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=20,
-                            policy=build_policy("always", answer_value=1000.0), answer_check=constant(0.3),
-                            escalate_below=0.5, held=True, escalation="afresh",
-                            ceiling=CostCeiling(None, upstream.prices, 0))
+    routing = RequestRouting(build_policy("always", answer_value=1000.0),
+                             ceiling=CostCeiling(CeilingRule(), upstream.prices, 0),
+                             review=AnswerReview(constant(0.3), escalate_below=0.5, escalation="afresh", held=True))
+    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=20, routing=routing)
     run = Decoding(unsure, upstream, HandoffGate(Ledger(MemoryStore()), "t", Limits(), allowed=True), request)
     pieces = [piece async for piece in run.pieces()]
     assert "".join(p.text for p in pieces) == "Paris is big." and [p.source for p in pieces if p.tokens] == ["upstream"]
@@ -376,7 +379,8 @@ def test_an_early_rating_aggregates_only_the_first_k_steps():
 
 async def test_an_answer_asked_afresh_and_cut_at_the_limit_bills_no_end_token_in_asking_directly():
     upstream = FakeUpstream("Paris is big. " * 40, chars_per_token=20)
-    ceiling = CostCeiling(None, upstream.prices, 10)  # the local answer ends on its end token, the fresh one at the limit
+    # the local answer ends on its end token, the fresh one at the limit
+    ceiling = CostCeiling(CeilingRule(), upstream.prices, 10)
     run = decoding(constant(0.3), below=0.5, upstream=upstream, ceiling=ceiling)
     await text_of(run)
     assert run.usage.afresh and run.finish_reason == "length"

@@ -14,9 +14,10 @@ from pydantic import ValidationError
 from adapters.memory_store import MemoryStore
 from adapters.store import Limits
 from gateway.decoding.decoder import DecodeRequest, Decoding
+from gateway.decoding.values import RequestRouting
 from gateway.settings import RoutingOverride, RoutingSettings
+from gateway.settings.routing_values import AnswerReview
 from gateway.tenancy.budget import HandoffGate, Ledger
-from policies import build_policy
 from policies.agreement import AgreementCheck, agreement, answer_format, final_answer, majority, same_answer
 from tests.conftest import ADMIN_KEY, gateway_config, live_gateway
 from tests.fakes import FakeLocalModel, FakeUpstream
@@ -92,8 +93,9 @@ async def test_a_held_answer_may_keep_the_majority_answer(kept, held, answer):
 
 def decoding_with_check(local, upstream, check: AgreementCheck, held: bool = True, escalate_below: float | None = 0.5):
     gate = HandoffGate(Ledger(MemoryStore()), "t", Limits(), allowed=True)
-    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=20, policy=build_policy("never"),
-                            answer_check=check, escalate_below=escalate_below, held=held, seed=3)
+    review = AnswerReview(check, escalate_below=escalate_below, held=held)
+    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=20,
+                            routing=RequestRouting(review=review), seed=3)
     return Decoding(local, upstream, gate, request)
 
 
@@ -131,6 +133,8 @@ async def test_a_streamed_answer_is_rated_but_not_replaced():
 def test_the_check_is_configured_or_asked_for_and_bad_values_name_the_field():
     routing = RoutingSettings(policy="never", answer_check={"kind": "agreement", "samples": 3}, escalate_below=0.5)
     assert routing.answer_check.samples == 3 and routing.answer_check.temperature == 0.7
+    # the request's review: this check (not the alias's file), its bar, and the routing's escalation
+    assert routing.review(fitted=None, held=True) == AnswerReview(AgreementCheck(samples=3), 0.5, "continue", True)
     for bad, field in (({"kind": "agreement", "samples": 1}, "samples"), ({"kind": "agreement", "temperature": 0}, "temperature"),
                        ({"kind": "agreement", "format": "essay"}, "format"), ({"kind": "vote"}, "kind"),
                        ({"kind": "agreement", "answer": "mode"}, "answer")):

@@ -16,6 +16,8 @@ from adapters.upstream_errors import UpstreamFailedRequest
 from gateway.decoding.cost_ceiling import CostCeiling, cost_ratio
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import Sampling
+from gateway.decoding.values import RequestRouting
+from gateway.settings.routing_values import AnswerReview, CeilingRule, HandoffRule
 from gateway.tenancy.budget import HandoffGate, Ledger
 from policies import LOCAL, RecentValues, build_policy
 from policies.base import PolicyDefaults
@@ -25,14 +27,14 @@ VOCAB = ["Par", "is", "Paris", " is", " nice", " big", *sorted(set("Paris is nic
 
 
 def make(local, upstream, policy="always", max_tokens=20, span=1, stop=(), limits=Limits(), store=None,
-         span_until="tokens", grammar=None, prompt=None, ceiling=None, on_ceiling="local", choice=0,
+         span_until="tokens", grammar=None, prompt=None, ceiling=None, choice=0,
          escalation="continue", held=False, tenant="t", cache_scope="", **kw):
     store = store or MemoryStore()
     gate = HandoffGate(Ledger(store), tenant, limits, allowed=True, cache_scope=cache_scope)
-    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=max_tokens,
-                            policy=build_policy(policy, **kw), span=span, stop=stop, span_until=span_until,
-                            grammar=grammar, prompt=prompt, ceiling=ceiling, on_ceiling=on_ceiling, choice=choice,
-                            escalation=escalation, held=held)
+    routing = RequestRouting(build_policy(policy, **kw), HandoffRule(span, span_until), ceiling,
+                             AnswerReview(escalation=escalation, held=held))
+    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=max_tokens, routing=routing,
+                            stop=stop, grammar=grammar, prompt=prompt, choice=choice)
     return Decoding(local, upstream, gate, request), store
 
 
@@ -99,12 +101,13 @@ def unsure_local() -> FakeLocalModel:
     return FakeLocalModel(VOCAB, "Paris is big.", uncertain_at=frozenset(range(20)), lean=2.0)
 
 
-def ceiling(ratio: float | None) -> CostCeiling:
-    return CostCeiling(ratio, FakeUpstream("").prices, prompt_tokens=0)  # the decoding sets the prompt's count
+def ceiling(ratio: float | None, on_ceiling: str = "local") -> CostCeiling:
+    # the decoding sets the prompt's count
+    return CostCeiling(CeilingRule(ratio, on_ceiling), FakeUpstream("").prices, prompt_tokens=0)
 
 
 def test_a_hand_off_is_held_only_if_the_ceiling_holds_whatever_it_writes():
-    limit = CostCeiling(2.0, Prices(input=1e-6, cached_input=1e-7, output=4e-6), prompt_tokens=100)
+    limit = CostCeiling(CeilingRule(2.0), Prices(input=1e-6, cached_input=1e-7, output=4e-6), prompt_tokens=100)
     limit.spent_usd = 1.5e-4  # asking directly: 1e-4 for the prompt, so 0.5e-4 of room
     # 100 prompt tokens: if the upstream ends the answer at once, 2.5e-4 is billed against 2e-4
     # allowed, though the 50 tokens it might write would raise the ceiling more than they cost
@@ -125,8 +128,7 @@ async def test_a_cost_ceiling_of_one_keeps_the_answer_within_asking_directly():
 
 async def test_escalation_hands_the_rest_to_the_upstream_in_one_call():
     upstream = FakeUpstream("Paris is nice.")
-    decoding, _ = make(FakeLocalModel(VOCAB, "Rome"), upstream, ceiling=ceiling(1.0), on_ceiling="escalate",
-                       max_tokens=20)
+    decoding, _ = make(FakeLocalModel(VOCAB, "Rome"), upstream, ceiling=ceiling(1.0, "escalate"), max_tokens=20)
     text = "".join(p.text for p in await run(decoding))
     assert text == "Paris is nice." and decoding.usage.escalated  # all of it the upstream's: its answer, not Rome
     assert len(upstream.calls) == 2 and decoding.usage.upstream_calls == 2  # one hand-off, then the rest at once
@@ -217,7 +219,7 @@ async def test_a_streamed_answer_escalates_by_continuing_whatever_the_request_sa
 
 async def test_an_escalation_past_the_ceiling_is_asked_afresh_in_full():
     upstream = FakeUpstream("Paris is nice.")
-    decoding, _ = make(FakeLocalModel(VOCAB, "Rome"), upstream, ceiling=ceiling(1.0), on_ceiling="escalate",
+    decoding, _ = make(FakeLocalModel(VOCAB, "Rome"), upstream, ceiling=ceiling(1.0, "escalate"),
                        escalation="afresh", held=True)
     assert "".join(p.text for p in await run(decoding)) == "Paris is nice."
     assert decoding.usage.afresh and upstream.calls[-1].answer == ""
@@ -228,9 +230,9 @@ async def test_an_escalation_past_the_ceiling_is_asked_afresh_in_full():
 async def test_a_fresh_escalation_past_the_ceiling_is_made_only_where_on_ceiling_escalates(on_ceiling, asked_afresh):
     upstream = FakeUpstream("Paris is nice.", chars_per_token=1)
     unsure = unsure_local()
-    limit = ceiling(3.0)  # room for three one-token hand-offs, not for the whole answer on top of them
+    limit = ceiling(3.0, on_ceiling)  # room for three one-token hand-offs, not for the whole answer on top of them
     decoding, _ = make(unsure, upstream, ceiling=limit, answer_value=1000.0, escalation="afresh", held=True,
-                       max_tokens=6, on_ceiling=on_ceiling)
+                       max_tokens=6)
     text = "".join(p.text for p in await run(decoding))
     assert decoding.usage.afresh == asked_afresh and limit.held_usd == 0 and "cost_ceiling" in decoding.usage.degraded
     if asked_afresh:  # the prompt alone, then (the fake writing a character a token) its continuations
@@ -345,8 +347,8 @@ async def test_a_priced_answer_expects_the_rest_that_recent_answers_longer_than_
     lengths, seen = RecentValues(), PricesSeen()
     for length in (2, 5, 9):
         lengths.add(length)
-    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=20, policy=seen,
-                            ceiling=ceiling(None), answer_lengths=lengths)
+    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=20,
+                            routing=RequestRouting(seen, ceiling=ceiling(None), answer_lengths=lengths))
     decoding = Decoding(FakeLocalModel(VOCAB, "Paris is big. Paris is nice. Paris is big."), FakeUpstream(""), HandoffGate(
         Ledger(MemoryStore()), "t", Limits(), allowed=True), request)
     await run(decoding)
@@ -597,7 +599,7 @@ async def test_a_guessed_step_the_policy_routes_is_decided_once():
     local = FakeLocalModel(VOCAB, "Paris is nice.", uncertain_at=frozenset({0, 2}), lean=1.0)
     upstream = FakeUpstream("Paris is nice.", chars_per_token=5, delay_s=0.2)
     decoding, _ = make(local, upstream, policy="entropy", threshold=1.0)
-    decided, policy = [], decoding.request.policy
+    decided, policy = [], decoding.request.routing.policy
 
     class Recording:
         def __getattr__(self, name):
@@ -607,7 +609,8 @@ async def test_a_guessed_step_the_policy_routes_is_decided_once():
             decided.append(signal.position)
             return policy.decide(signal, state)
 
-    decoding = Decoding(local, upstream, decoding.gate, dataclasses.replace(decoding.request, policy=Recording()))
+    recorded = dataclasses.replace(decoding.request.routing, policy=Recording())
+    decoding = Decoding(local, upstream, decoding.gate, dataclasses.replace(decoding.request, routing=recorded))
     text = "".join(p.text for p in await run(decoding))
     assert text == "Paris is nice." and len(upstream.calls) == 2  # "Paris", then " nice" (guessed, routed)
     assert decided == sorted(set(decided))

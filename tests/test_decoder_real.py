@@ -12,8 +12,10 @@ from adapters.local_model import LocalModel
 from adapters.memory_store import MemoryStore
 from adapters.store import Limits
 from gateway.decoding.decoder import DecodeRequest, Decoding
+from gateway.decoding.values import RequestRouting
 from gateway.runtime import make_upstream
 from gateway.settings import UpstreamSettings
+from gateway.settings.routing_values import HandoffRule
 from gateway.tenancy.budget import HandoffGate, Ledger
 from policies import build_policy
 from tests.conftest import QWEN, SMOL, upstream_server
@@ -42,7 +44,7 @@ def gate() -> HandoffGate:
 
 async def decode(local, upstream, policy: str, prompt: str, max_tokens: int = 24, span: int = 1, **kw) -> Decoding:
     request = DecodeRequest(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                            policy=build_policy(policy, **kw), span=span)
+                            routing=RequestRouting(build_policy(policy, **kw), HandoffRule(span)))
     decoding = Decoding(local, upstream, gate(), request)
     decoding.deltas = [piece.text async for piece in decoding.pieces()]
     return decoding
@@ -163,7 +165,7 @@ async def test_upstream_killed_mid_answer_completes_locally(local, smol_path):
     with upstream_server(smol_path, "doomed") as base:
         upstream = upstream_for(base, SMOL)
         request = DecodeRequest(messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=40,
-                                policy=build_policy("always"))
+                                routing=RequestRouting(build_policy("always")))
         decoding = Decoding(local, upstream, gate(), request)
         pieces = decoding.pieces()
         for _ in range(3):

@@ -126,6 +126,7 @@ async def test_an_mlp_router_reads_the_hidden_state_the_engine_returns_while_dec
     from adapters.memory_store import MemoryStore
     from adapters.store import Limits
     from gateway.decoding.decoder import DecodeRequest, Decoding
+    from gateway.decoding.values import RequestRouting
     from gateway.tenancy.budget import HandoffGate, Ledger
     from policies import build_policy
     from policies.learned import FEATURES
@@ -143,8 +144,9 @@ async def test_an_mlp_router_reads_the_hidden_state_the_engine_returns_while_dec
             return super().score_signal(signal)
 
     keeping = Keeping(router.w1, router.b1, router.w2, router.b2, router.mean, router.scale, router.shares, "sha", {})
+    policy = build_policy("learned", threshold=2.0, router=keeping)  # never above 1: local
     request = DecodeRequest(messages=[{"role": "user", "content": "Name three colours."}], max_tokens=6,
-                            policy=build_policy("learned", threshold=2.0, router=keeping))  # never above 1: local
+                            routing=RequestRouting(policy))
     decoding = Decoding(local, None, HandoffGate(Ledger(MemoryStore()), "t", Limits(), allowed=True), request)
     [piece async for piece in decoding.pieces()]
     assert len(decoding.answer_tokens) == 6 and len(scored) == 6

@@ -14,6 +14,7 @@ from fitting.analysis import steps
 from fitting.learn import compare, matrix, step_signal, train, with_thresholds
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import signal_of, token_kind
+from gateway.decoding.values import RequestRouting
 from gateway.settings import RoutingOverride, RoutingSettings
 from gateway.tenancy.budget import HandoffGate, Ledger
 from gateway.tenancy.routing import resolve_routing
@@ -43,7 +44,7 @@ class Recording(PolicyDefaults):
 async def test_features_are_read_from_the_decoders_own_signals():
     local = FakeLocalModel(VOCAB, "Paris is 42.\nnice", uncertain_at=frozenset({1, 3}), lean=1.0)
     policy = Recording()
-    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=12, policy=policy)
+    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=12, routing=RequestRouting(policy))
     decoding = Decoding(local, None, HandoffGate(Ledger(MemoryStore()), "t", Limits(), allowed=True), request)
     [piece async for piece in decoding.pieces()]
     assert decoding.finish_reason == "stop"

@@ -14,6 +14,7 @@ from adapters.store import Limits
 from fitting.analysis import auroc
 from eval.learn_mlp import SCALARS, fit_mlp, forward, projection, reduce, train_mlp
 from gateway.decoding.decoder import DecodeRequest, Decoding
+from gateway.decoding.values import RequestRouting
 from gateway.decoding.signals import signal_of
 from gateway.tenancy.budget import HandoffGate, Ledger
 from policies import LOCAL, RoutingState, build_policy
@@ -115,7 +116,7 @@ class Watching(PolicyDefaults):
 
 async def decode(policy) -> FakeLocalModel:
     local = FakeLocalModel(["Paris", " is", " nice", "."], "Paris is nice.")
-    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=8, policy=policy)
+    request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=8, routing=RequestRouting(policy))
     decoding = Decoding(local, None, HandoffGate(Ledger(MemoryStore()), "t", Limits(), allowed=True), request)
     [piece async for piece in decoding.pieces()]
     return local

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.chat_template import TemplateError
+from adapters.continuation_modes import gives_alternatives
 from adapters.grammar import GrammarUnsupported, gbnf_for
 from adapters.local_model import Claim, QueueFull
 from gateway.admission import passthrough
@@ -20,17 +21,16 @@ from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.decoder import DecodeRequest, Decoding, Piece
 from gateway.decoding.logit_rules import LogitRules
 from gateway.decoding.passing import Blocker, Passing
+from gateway.decoding.values import RequestRouting
 from gateway.decoding.signals import Sampling
 from gateway.decoding.streams import merged
-from gateway.runtime import Alias, Runtime
+from gateway.runtime import Alias, ModelHold, Runtime
 from gateway.settings import AgreementSettings, RoutingSettings
 from gateway.tenancy.budget import HandoffGate
 from gateway.tenancy.routing import policy_of, resolve_routing
 from gateway.tenancy.tenants import Tenant
 from gateway.wire.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded, quoted
 from gateway.wire.schemas import ChatCompletionRequest, CompletionRequest
-from policies.agreement import AgreementCheck
-from policies.answer_check import AnswerCheck
 
 log = logging.getLogger("gateway.admission.chat")
 # Most answers one request decodes at once (choices x agreement samples): more would only queue
@@ -50,6 +50,7 @@ class Admitted:
     decodings: list[Decoding]  # one per choice (`n` of each prompt), decoded together
     give_back_slot: Callable[[], Awaitable[None]]  # the tenant's parallel slot
     released: bool = False  # its parallel slot, once
+    hold: ModelHold | None = None  # its count on the alias's local model (Runtime.hold)
 
     def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
         """Every choice's pieces as (choice index, piece), in the order they are decoded; each
@@ -57,9 +58,12 @@ class Admitted:
         return merged(*(decoding.pieces() for decoding in self.decodings))
 
     async def release(self) -> None:
-        """Give back the request's parallel slot, once, whichever path ends the request first."""
+        """Give back the request's parallel slot and its hold on the local model, once, whichever path
+        ends the request first."""
         if not self.released:
             self.released = True
+            if self.hold is not None:
+                self.hold.give_back()
             await self.give_back_slot()
 
 
@@ -81,6 +85,7 @@ async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -
     token-level path or, when the local model cannot serve it, passed through whole."""
     body.check()  # first: a schema sized to crash a grammar parser goes nowhere, not even upstream
     alias = alias_for(runtime, tenant, body.model)
+    hold = runtime.hold(alias.local)  # until the request ends: a reload frees no model a request was admitted on
     blocker = passthrough.blocker_of(body, runtime.settings.server.max_tokens_limit)
     grammar = None
     if blocker is None:
@@ -88,9 +93,13 @@ async def admit(runtime: Runtime, tenant: Tenant, body: ChatCompletionRequest) -
             grammar = await asyncio.to_thread(parsed_grammar, alias, body)
         except GrammarUnsupported as exc:
             blocker = Blocker("response_format", f"{exc}, and only the upstream model can follow it")
+        except BaseException:
+            hold.give_back()
+            raise
     if blocker is not None:
+        hold.give_back()  # passed through whole: the local model has no part in it
         return await passthrough.admit(runtime, tenant, alias, body, blocker)
-    return await start(runtime, tenant, alias, body, Prompts(messages=wire_messages(body)), grammar)
+    return await start(runtime, tenant, alias, body, Prompts(messages=wire_messages(body)), grammar, hold)
 
 
 def parsed_grammar(alias: Alias, body: ChatCompletionRequest) -> str | None:
@@ -121,15 +130,30 @@ class Prompts:
 
 
 async def start(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatCompletionRequest | CompletionRequest,
-                prompts: Prompts, grammar: str | None = None) -> Admitted:
+                prompts: Prompts, grammar: str | None = None, hold: ModelHold | None = None) -> Admitted:
     """Start `body` on the token-level path: `body.n` choices of each prompt, decoded together.
-    Rate limits come first: nothing is tokenized for a request they refuse, and tokenizing (a large
-    prompt takes a second) runs off the event loop."""
+    `hold`: the request's count on the alias's local model, taken as its alias was picked (taken now
+    if None); given back if it is refused, else as the Admitted is released."""
+    hold = runtime.hold(alias.local) if hold is None else hold
+    try:
+        admitted = await _started(runtime, tenant, alias, body, prompts, grammar)
+    except BaseException:
+        hold.give_back()
+        raise
+    admitted.hold = hold
+    return admitted
+
+
+async def _started(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatCompletionRequest | CompletionRequest,
+                   prompts: Prompts, grammar: str | None) -> Admitted:
+    """`start`'s work. Rate limits come first: nothing is tokenized for a request they refuse, and
+    tokenizing (a large prompt takes a second) runs off the event loop."""
     if any(int(token) >= alias.local.n_vocab for token in body.logit_bias or ()):
         raise InvalidRequest(f"logit_bias names a token id outside the local model's vocabulary of "
                              f"{alias.local.n_vocab}", param="logit_bias")
     max_tokens = body.requested_max_tokens or runtime.settings.server.default_max_tokens
     routing = resolve_routing(runtime.routing_of(alias), tenant.settings.routing, body.routing, priced=alias.priced)
+    _refuse_uncombinable(alias, routing)
     answers = _answers_per_choice(routing, len(prompts.texts) * body.n)
     try:
         alias.local.check_admission()
@@ -156,6 +180,15 @@ async def start(runtime: Runtime, tenant: Tenant, alias: Alias, body: ChatComple
                     give_back_slot=lambda: release(runtime, tenant, request_id))
 
 
+def _refuse_uncombinable(alias: Alias, routing: RoutingSettings) -> None:
+    """A 400 for a combine rule the alias's upstream cannot serve: its mode returns no alternatives."""
+    if routing.combining.combines and alias.upstream is not None \
+            and not gives_alternatives(alias.upstream.settings.mode):
+        raise InvalidRequest(f"routing.combine '{routing.combine}' needs the upstream's alternatives, and this "
+                             f"model's upstream (mode {alias.upstream.settings.mode}) returns none",
+                             param="routing.combine")
+
+
 def _answers_per_choice(routing: RoutingSettings, choices: int) -> int:
     """Answers each choice decodes (its agreement samples included); 400 for a request that would
     hold more than SEQUENCES_PER_REQUEST sequences of the local model."""
@@ -170,7 +203,7 @@ def _answers_per_choice(routing: RoutingSettings, choices: int) -> int:
 
 def _ceilings(alias: Alias, routing: RoutingSettings, prompts: Prompts) -> list[tuple[str | None, CostCeiling | None]]:
     """Each prompt with its cost ceiling, which its choices share (their prompt is billed once)."""
-    return [(text, CostCeiling(routing.max_cost_ratio, alias.upstream.prices, 0) if alias.upstream else None)
+    return [(text, CostCeiling(routing.ceiling, alias.upstream.prices, 0) if alias.upstream else None)
             for text in prompts.texts]
 
 
@@ -178,19 +211,15 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | Com
               text: str | None, routing: RoutingSettings, max_tokens: int, grammar: str | None,
               choice: int, ceiling: CostCeiling | None, claim: Claim) -> Decoding:
     """The decoding of one choice; choices differ by seed (seed + choice) when they sample."""
-    policy = policy_of(routing, alias.router, alias.windows(gate.tenant))
     chat = isinstance(body, ChatCompletionRequest)
     logprobs, top_logprobs = body.token_logprobs()
     request = DecodeRequest(
-        messages=prompts.messages, prompt=text, max_tokens=max_tokens, policy=policy,
+        messages=prompts.messages, prompt=text, max_tokens=max_tokens, choice=choice, claim=claim,
+        routing=_routing(alias, gate, body, routing, ceiling),
         sampling=Sampling(body.temperature, body.top_p), seed=None if body.seed is None else body.seed + choice,
-        stop=tuple(body.stop or ()),
-        span=routing.span, span_until=routing.span_until, continue_final=chat and body.continue_final_message,
-        logprobs=logprobs, top_logprobs=top_logprobs,
-        rules=LogitRules.of(body.presence_penalty, body.frequency_penalty, body.logit_bias), grammar=grammar,
-        ceiling=ceiling, on_ceiling=routing.on_ceiling, escalation=routing.escalation, choice=choice,
-        answer_check=_answer_check(alias, routing), escalate_below=routing.escalate_below or None, held=not body.stream,
-        answer_lengths=alias.windows(gate.tenant).answer_lengths, claim=claim,
+        stop=tuple(body.stop or ()), continue_final=chat and body.continue_final_message,
+        logprobs=top_logprobs if logprobs else None, grammar=grammar,
+        rules=LogitRules.of(body.presence_penalty, body.frequency_penalty, body.logit_bias),
     )
     try:
         decoding = Decoding(alias.local, alias.continuations, gate, request)
@@ -206,10 +235,12 @@ def _decoding(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | Com
     return decoding
 
 
-def _answer_check(alias: Alias, routing: RoutingSettings) -> AnswerCheck | AgreementCheck | None:
-    """The check that rates this request's answers: the agreement check its routing asks for, else
-    the alias's fitted check file (loaded at start-up)."""
-    settings = routing.answer_check
-    if isinstance(settings, AgreementSettings):
-        return AgreementCheck(settings.samples, settings.temperature, settings.format, settings.answer)
-    return alias.answer_check
+def _routing(alias: Alias, gate: HandoffGate, body: ChatCompletionRequest | CompletionRequest,
+             routing: RoutingSettings, ceiling: CostCeiling | None) -> RequestRouting:
+    """What one choice's answer may ask of the upstream, each rule whole as its routing settings hand it
+    out; its answers are rated by the agreement check the routing asks for, else by the alias's check file."""
+    windows = alias.windows(gate.tenant)
+    return RequestRouting(policy=policy_of(routing, alias.router, windows), handoffs=routing.handoffs,
+                          combine=routing.combining, ceiling=ceiling,
+                          review=routing.review(alias.answer_check, held=not body.stream),
+                          answer_lengths=windows.answer_lengths)

@@ -12,14 +12,12 @@ fails is left out of the agreement.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from gateway.decoding.answer import Answer
 from gateway.decoding.signals import Sampling
 from gateway.decoding.values import DecodeRequest, Piece
-from policies import build_policy
 from policies.agreement import AgreementCheck
 
 SEED_STRIDE = 7919  # sample i of a seeded request decodes with seed + i * this: apart from its choices' seeds
@@ -38,12 +36,9 @@ class AgreementSamples:
 
     def __init__(self, request: DecodeRequest, check: AgreementCheck,
                  decoding: Callable[[DecodeRequest], SampleDecoding]) -> None:
-        never = build_policy("never")
-        self._decodings = [decoding(dataclasses.replace(
-            request, policy=never, sampling=Sampling(check.temperature, request.sampling.top_p),
-            seed=None if request.seed is None else request.seed + i * SEED_STRIDE, answer_check=None,
-            escalate_below=None, held=False, logprobs=False, top_logprobs=0, ceiling=None, answer_lengths=None,
-        )) for i in range(1, check.samples)]
+        sampling, seed = Sampling(check.temperature, request.sampling.top_p), request.seed
+        self._decodings = [decoding(request.local_sample(sampling, None if seed is None else seed + i * SEED_STRIDE))
+                           for i in range(1, check.samples)]
         self._task: asyncio.Future | None = None
 
     def start(self) -> None:

@@ -16,16 +16,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.pricing import Prices
+from gateway.settings.routing_values import CeilingRule
 
 
 @dataclass
 class CostCeiling:
-    ratio: float | None  # None: no ceiling, only the report (`cost_ratio`)
+    """One request's ceiling under `rule` (the routing's max_cost_ratio and on_ceiling), as it is spent."""
+
+    rule: CeilingRule
     prices: Prices
     prompt_tokens: int  # the upstream's count of the request's prompt
     spent_usd: float = 0.0  # billed by this request's hand-offs so far, every choice's
     held_usd: float = 0.0  # the worst case of hand-offs in flight (choices decode concurrently)
     answered: dict[int, int] = field(default_factory=dict)  # choice -> answer tokens so far
+
+    @property
+    def ratio(self) -> float | None:
+        """The most the hand-offs may bill, as a multiple of asking directly; None: no ceiling, only the report."""
+        return self.rule.max_cost_ratio
+
+    @property
+    def escalates(self) -> bool:
+        """Past the ceiling, the upstream writes the rest of the answer (on_ceiling: escalate), which may pass it."""
+        return self.rule.on_ceiling == "escalate"
 
     def note(self, choice: int, answered: int) -> None:
         self.answered[choice] = answered
@@ -63,8 +76,8 @@ class CostCeiling:
 def cost_ratio(decodings: Sequence[Any]) -> float | None:
     """What a request's hand-offs billed over what asking the upstream directly for the same
     answers would cost (each prompt once, at the upstream's prices); None without an upstream or
-    a price. `decodings` are the request's Decodings (each with `.request.ceiling` and `.usage`)."""
-    ceilings = {id(d.request.ceiling): d.request.ceiling for d in decodings if d.request.ceiling}
+    a price. `decodings` are the request's Decodings (each with `.request.routing.ceiling` and `.usage`)."""
+    ceilings = {id(c): c for c in (d.request.routing.ceiling for d in decodings) if c is not None}
     direct = sum(c.direct_usd() for c in ceilings.values())
     billed = sum(d.usage.upstream_cost_usd for d in decodings)
     return round(billed / direct, 4) if direct > 0 else None

@@ -28,6 +28,7 @@ from adapters.upstream import Continuations, Handoff
 from gateway.decoding.answer import Answer
 from gateway.decoding.handoffs import HandoffCalls
 from gateway.decoding.values import LOCAL, DecodeRequest, RoutingUsage, Written
+from gateway.traced import traced, wrote
 from policies import Decision
 
 
@@ -50,38 +51,40 @@ class Escalation:
 
     def __init__(self, request: DecodeRequest, upstream: Continuations | None, calls: HandoffCalls,
                  usage: RoutingUsage, answer: Answer, handoff: Handoff | None) -> None:
-        self._request, self._upstream, self._calls, self._usage = request, upstream, calls, usage
+        self._routing, self._choice = request.routing, request.choice
+        self._handoffs, self._review = request.routing.handoffs, request.routing.review
+        self._upstream, self._calls, self._usage = upstream, calls, usage
         self._answer, self.handoff = answer, handoff
 
     @property
     def escalates_afresh(self) -> bool:
         """An escalation asks afresh: the answer is held (nothing shown) and the request says so. A
         draft holding a short answer's hand-offs is continued instead, so text paid for is kept."""
-        if not self._request.held:
+        if not self._review.held:
             return False
-        if self._request.escalation == "draft":
+        if self._review.escalation == "draft":
             return all(source == LOCAL for source in self._answer.sources)
-        return self._request.escalation == "afresh"
+        return self._review.escalation == "afresh"
 
     @property
     def span_until(self) -> str:
         """Where a hand-off's text is cut: the request's boundary, none once escalated (the rest is written whole)."""
-        return "tokens" if self._usage.escalated else self._request.span_until
+        return "tokens" if self._usage.escalated else self._handoffs.span_until
 
     def ask(self, decision: Decision) -> Ask:
         """What the routed step `decision` asks: a hand-off of up to `decision.room` tokens (None: the
         request's span), or of the rest of the answer when it escalates (marked in usage)."""
-        request, usage, rest = self._request, self._usage, self._answer.rest
+        usage, rest, most = self._usage, self._answer.rest, self._handoffs.span
         escalating = decision.escalate and not usage.escalated
-        room = request.span if decision.room is None else decision.room
+        room = most if decision.room is None else decision.room
         whole = usage.escalated or escalating  # the rest of the answer
-        span = self._answer.handoff_span(max(1, rest if whole else min(request.span, rest, room)))
+        span = self._answer.handoff_span(max(1, rest if whole else min(most, rest, room)))
         if escalating and self.escalates_afresh:
             return Ask(span, afresh=True)
         self.handoff = self._upstream.with_answer(self.handoff, self._answer.text.text)
         held = self._hold(span)
         if held is None:
-            if request.on_ceiling != "escalate":
+            if not self._routing.escalates_past_ceiling:
                 return Ask(span, local=True)
             if self.escalates_afresh:
                 return Ask(span, afresh=True)
@@ -92,9 +95,10 @@ class Escalation:
 
     def settle(self, held: float, billed_before: float) -> None:
         """Replace a call's hold on the cost ceiling by what it billed (usage's cost since `billed_before`)."""
-        if self._request.ceiling is not None:
-            self._request.ceiling.settle(held, self._usage.upstream_cost_usd - billed_before)
+        if self._routing.ceiling is not None:
+            self._routing.ceiling.settle(held, self._usage.upstream_cost_usd - billed_before)
 
+    @traced("gateway.escalation", wrote)
     async def afresh(self, bounded: bool = True) -> Written | None:
         """The upstream's answer to the prompt alone, in one call; the answer is emptied for it to be
         appended. None (the answer stands) when the call fails, is refused, or, if `bounded`, would
@@ -124,28 +128,28 @@ class Escalation:
         stays local from here (on_ceiling: local) and the reason is reported. An escalation may
         need more than one call (a grammar's shorter span, a call that failed), so the calls after
         it are held too."""
-        request = self._request
-        if not request.capped_cost or (self._usage.escalated and request.on_ceiling == "escalate"):
+        routing = self._routing
+        if not routing.capped_cost or (self._usage.escalated and routing.escalates_past_ceiling):
             return 0.0
-        held = request.ceiling.hold(request.choice, self._answer.direct_length,
+        held = routing.ceiling.hold(self._choice, self._answer.direct_length,
                                     self._upstream.estimate_prompt_tokens(self.handoff), span)
         if held is None:
             self._usage.degrade("cost_ceiling")
-            if request.on_ceiling != "escalate":
+            if not routing.escalates_past_ceiling:
                 self._calls.closed = True
         return held
 
     def _hold_afresh(self, handoff: Handoff, span: int, bounded: bool) -> float | None:
         """The worst case of asking afresh, held against the cost ceiling; None past it if `bounded`
         (the answer stands at its length), else 0: past the ceiling, as on_ceiling: escalate allows."""
-        request = self._request
-        if not request.capped_cost:
+        ceiling = self._routing.ceiling
+        if not self._routing.capped_cost:
             return 0.0
-        hold = request.ceiling.hold(request.choice, 0, self._upstream.estimate_prompt_tokens(handoff), span)
+        hold = ceiling.hold(self._choice, 0, self._upstream.estimate_prompt_tokens(handoff), span)
         if hold is not None:
             return hold
         self._usage.degrade("cost_ceiling")
         if bounded:
-            request.ceiling.note(request.choice, self._answer.direct_length)  # the answer stands
+            ceiling.note(self._choice, self._answer.direct_length)  # the answer stands
             return None
         return 0.0

@@ -28,8 +28,8 @@ class LocalSteps:
 
     def __init__(self, local: TokenBytes, prompt_tokens: list[int], request: DecodeRequest, answer: Answer) -> None:
         self._local, self._prompt, self._answer = local, prompt_tokens, answer
-        self._rules, self._sampling, self._top_logprobs = request.rules, request.sampling, request.top_logprobs
-        self._kind_of = self._token_kind if request.policy.detailed_signal else None
+        self._rules, self._sampling, self._top_logprobs = request.rules, request.sampling, request.logprobs or 0
+        self._kind_of = self._token_kind if request.routing.policy.detailed_signal else None
         # OpenAI's seed is any 64-bit integer; numpy's seeds are non-negative
         self._rng = np.random.default_rng(None if request.seed is None else request.seed % 2**64)
         self._hidden: np.ndarray | None = None  # the latest forward's hidden state

@@ -31,9 +31,10 @@ class Review:
                  usage: RoutingUsage, answer: Answer, samples: AgreementSamples | None, held: bool) -> None:
         self._request, self._upstream, self._calls, self._usage = request, upstream, calls, usage
         self._answer, self._samples = answer, samples
-        self._check = request.answer_check
+        self._check = request.routing.review.answer_check
         self._held: list[Piece] | None = [] if held else None
         self._signals: list[Signal] = []  # what the check rates
+        self.rated: tuple[AnswerStats, str] | None = None  # the answer as rated, before escalation (shadow)
 
     def shown(self, pieces: list[Piece]) -> list[Piece]:
         """The pieces to show now of a step's `pieces` (none while the answer is held)."""
@@ -87,13 +88,11 @@ class Review:
         whether to ask the upstream afresh: the answer is held, rated below the bar, and the upstream
         may be asked."""
         check, usage = self._check, self._usage
-        if isinstance(check, AgreementCheck):
-            confidence = await self._agreement(check)
-        else:
-            confidence = check.confidence(AnswerStats.of(self._signals, len(self._answer.tokens),
-                                                         self._answer.finish_reason))
+        stats = AnswerStats.of(self._signals, len(self._answer.tokens), self._answer.finish_reason)
+        confidence = await self._agreement(check) if isinstance(check, AgreementCheck) else check.confidence(stats)
+        self.rated = (stats, bytes(self._answer.data).decode("utf-8", "replace"))
         usage.answer_confidence = round(confidence, 4)
-        below = self._request.escalate_below
+        below = self._request.routing.review.escalate_below
         if self._held is None or below is None or confidence >= below or self._calls.closed:
             return False
         if not self._upstream.available:
@@ -105,7 +104,7 @@ class Review:
         """The share of the samples that agree with the answer kept: the greedy one, or the majority's
         sampled one (held, without logprobs: the samples' tokens carry none), which takes its place."""
         sampled = await self._samples.answers()
-        replaceable = self._held is not None and not self._request.logprobs
+        replaceable = self._held is not None and self._request.logprobs is None
         index, confidence = check.kept(bytes(self._answer.data).decode("utf-8", "replace"),
                                        [text for text, _ in sampled], replaceable)
         if index:

@@ -1,22 +1,22 @@
-"""The decoder's values: what a request asks (`DecodeRequest`), what each step adds (`Piece`), what
-a hand-off wrote (`Written`), a guessed step (`Guess`), and the request's accounting
-(`RoutingUsage`, returned as `usage.routing`)."""
+"""The decoder's values: what a request asks (`DecodeRequest`, with its routing whole:
+`RequestRouting`), what each step adds (`Piece`), what a hand-off wrote (`Written`), a guessed step
+(`Guess`), and the request's accounting (`RoutingUsage`, returned as `usage.routing`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from adapters.slot_queue import Claim
-from adapters.upstream import Continuation
+from adapters.upstream import Alternatives, Continuation
 from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.logit_rules import LogitRules
 from gateway.decoding.signals import Sampling
-from policies import Decision, Policy, RecentValues, Signal
-from policies.agreement import AgreementCheck
-from policies.answer_check import AnswerCheck
+from gateway.settings.routing_values import AnswerReview, CombineRule, HandoffRule
+from policies import Decision, Policy, RecentValues, Signal, build_policy
 
 LOCAL, UPSTREAM, CACHE = "local", "upstream", "cache"  # where an answer token came from
 GUESS_LIMIT = 8  # most local tokens guessed ahead while a hand-off is in flight
@@ -33,6 +33,7 @@ class Written(NamedTuple):
     finished: bool
     source: str
     billed_tokens: int | None = None
+    first: Alternatives | None = None  # with alternatives asked for: the first token's, see Continuation
 
 
 @dataclass(frozen=True)
@@ -55,38 +56,56 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class DecodeRequest:
-    messages: list[dict[str, Any]]  # the chat to answer (unless `prompt` is set)
-    max_tokens: int
-    policy: Policy
-    sampling: Sampling = Sampling()
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    span: int = 1
-    span_until: str = "tokens"  # word | line | sentence: keep a hand-off's text up to that boundary
-    continue_final: bool = False
-    logprobs: bool = False
-    top_logprobs: int = 0
-    guess_ahead: int = GUESS_LIMIT  # 0: wait idle during hand-offs
-    rules: LogitRules = LogitRules()
-    grammar: str | None = None  # GBNF the answer must follow
-    prompt: str | None = None  # raw text to continue instead of `messages` (legacy completions), as plain text
-    ceiling: CostCeiling | None = None  # shared by the request's choices; None without an upstream
-    on_ceiling: str = "local"  # local | escalate: what a hand-off past the ceiling becomes
-    escalation: str = "continue"  # continue | afresh | draft: how an escalated held answer is finished
-    choice: int = 0
-    answer_check: AnswerCheck | AgreementCheck | None = None  # rates the finished answer (usage.routing.answer_confidence)
-    escalate_below: float | None = None  # a held answer rated below this is asked afresh
-    held: bool = False  # nothing is shown before the answer is complete (the request does not stream)
-    # the lengths of recent answers like this one (the tenant's on the alias): this answer's length
-    # joins them, and a priced decision expects as much still to come as those longer than it wrote
+class RequestRouting:
+    """What a request lets the upstream do, and what may become of its answer before it is shown:
+    its `policy`, how much a hand-off asks for (and how a routed step's token is chosen: `combine`),
+    its cost ceiling (shared by the request's choices; None without an upstream), its answer's
+    review, and the lengths of recent answers like it (the
+    tenant's on the alias: this answer's length joins them, and a priced decision expects as much
+    still to come as those longer than it wrote). The default is local only, reviewed by nothing."""
+
+    policy: Policy = field(default_factory=lambda: build_policy("never"))
+    handoffs: HandoffRule = HandoffRule()
+    ceiling: CostCeiling | None = None
+    review: AnswerReview = AnswerReview()
     answer_lengths: RecentValues | None = None
-    claim: Claim | None = None  # whose request it is, for the engine's fair share (shared by its choices and samples)
+    combine: CombineRule = CombineRule()
 
     @property
     def capped_cost(self) -> bool:
         """A cost ceiling is set (not only the report): every hand-off is held against it first."""
         return self.ceiling is not None and self.ceiling.ratio is not None
+
+    @property
+    def escalates_past_ceiling(self) -> bool:
+        """Past the cost ceiling the upstream writes the rest of the answer (on_ceiling: escalate)."""
+        return self.ceiling is not None and self.ceiling.escalates
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """What one answer asks: its prompt (`messages`, or the raw text `prompt`), limits, sampling and
+    logit rules, and its `routing`: the whole of what the upstream may do for it."""
+
+    messages: list[dict[str, Any]]  # the chat to answer (unless `prompt` is set)
+    max_tokens: int
+    routing: RequestRouting = field(default_factory=RequestRouting)
+    sampling: Sampling = Sampling()
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    continue_final: bool = False
+    logprobs: int | None = None  # None: none; k: each answer token's logprob, with its k likeliest alternatives
+    guess_ahead: int = GUESS_LIMIT  # 0: wait idle during hand-offs
+    rules: LogitRules = LogitRules()
+    grammar: str | None = None  # GBNF the answer must follow
+    prompt: str | None = None  # raw text to continue instead of `messages` (legacy completions), as plain text
+    choice: int = 0
+    claim: Claim | None = None  # whose request it is, for the engine's fair share (shared by its choices and samples)
+
+    def local_sample(self, sampling: Sampling, seed: int | None) -> DecodeRequest:
+        """This prompt, within the same limits, decoded locally at `sampling` and shown to nobody (an
+        agreement check's sampled answer): its routing is local only, and it returns no logprobs."""
+        return dataclasses.replace(self, routing=RequestRouting(), sampling=sampling, seed=seed, logprobs=None)
 
 
 @dataclass(frozen=True)
@@ -124,7 +143,14 @@ class RoutingUsage:
     price_vetoes: int = 0  # steps the policy wanted upstream that were not worth their predicted price
     draft_hand_offs: int = 0  # under escalation: draft, hand-offs the policy wanted, counted and not made
     predicted_cost_usd: float = 0.0  # what the calls made were expected to bill (prices and prefix reuse)
+    # routed steps' tokens by how they were chosen (policies/combine.py): taken (combine: take, or a
+    # hand-off that was escalated), agreed (the rule chose the upstream's token), changed (another one),
+    # fell_back (no alternatives or no alignment with the local vocabulary: the upstream's taken)
+    combined: dict[str, int] = field(default_factory=dict)
     degraded: list[str] = field(default_factory=list)
+
+    def count_combined(self, how: str) -> None:
+        self.combined[how] = self.combined.get(how, 0) + 1
 
     def degrade(self, reason: str) -> None:
         if reason not in self.degraded:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from gateway.decoding.cost_ceiling import cost_ratio
@@ -17,9 +17,43 @@ if TYPE_CHECKING:  # for annotations only: the metrics need not load the admissi
     from gateway.admission.chat import Admitted
     from gateway.decoding.decoder import Piece
     from gateway.decoding.passing import Passing
+    from gateway.decoding.values import RoutingUsage
 
-# usage.routing fields summed over a request's choices into the counter of the same name (Metrics)
-SUMMED_USAGE = ("afresh", "price_vetoes", "draft_hand_offs")
+
+def _total(usages: list[RoutingUsage], name: str) -> list[float]:
+    """The field's total over the request's choices (nothing when it is 0)."""
+    total = sum(getattr(usage, name) for usage in usages)
+    return [total] if total else []
+
+
+def _any(usages: list[RoutingUsage], name: str) -> list[float]:
+    """One request, if any choice's field is set."""
+    return [1] if any(getattr(usage, name) for usage in usages) else []
+
+
+def _rated(usages: list[RoutingUsage], name: str) -> list[float]:
+    """The field of each choice the agreement check rated (0 included: the series shows it was rated)."""
+    return [getattr(usage, name) for usage in usages if usage.agreement is not None]
+
+
+# usage.routing fields -> how a request's choices count into the metric of the same name (Metrics):
+# each amount is added to a counter, observed by a histogram
+USAGE_METRICS: dict[str, Callable[[list[RoutingUsage], str], list[float]]] = {
+    "escalated": _any,
+    "afresh": _total,
+    "price_vetoes": _total,
+    "draft_hand_offs": _total,
+    "agreement": _rated,
+    "sample_tokens": _rated,
+    "majority": _rated,
+}
+# a pass-through's usage.routing fields -> the counters they add to (its one call and answer tokens aside)
+PASSTHROUGH_USAGE = {
+    "upstream_prompt_tokens": "upstream_prompt_tokens",
+    "upstream_completion_tokens": "upstream_completion_tokens",
+    "upstream_cached_tokens": "upstream_cached_tokens",
+    "upstream_cost_usd": "upstream_cost",
+}
 
 
 async def metered(admitted: Admitted) -> AsyncIterator[tuple[int, Piece]]:
@@ -86,23 +120,21 @@ def _count_sources(metrics: Metrics, alias: str, decodings: list) -> dict[str, i
 
 
 def _count_usage(metrics: Metrics, alias: str, decodings: list) -> list[str]:
-    """What the routing did (degradations, escalations, the summed usage fields, agreement); returns
-    the degradation reasons."""
+    """What the routing did: the degradations, and each usage field of USAGE_METRICS; returns the
+    degradation reasons."""
+    usages = [decoding.usage for decoding in decodings]
     degraded: list[str] = []
-    for decoding in decodings:
-        degraded += [reason for reason in decoding.usage.degraded if reason not in degraded]
+    for usage in usages:
+        degraded += [reason for reason in usage.degraded if reason not in degraded]
     for reason in degraded:
         metrics.degraded.labels(alias, reason).inc()
-    if any(decoding.usage.escalated for decoding in decodings):
-        metrics.escalated.labels(alias).inc()
-    for name in SUMMED_USAGE:
-        total = sum(getattr(decoding.usage, name) for decoding in decodings)
-        if total:
-            getattr(metrics, name).labels(alias).inc(total)
-    for usage in (decoding.usage for decoding in decodings if decoding.usage.agreement is not None):
-        metrics.agreement.labels(alias).observe(usage.agreement)
-        metrics.sample_tokens.labels(alias).inc(usage.sample_tokens)
-        metrics.majority.labels(alias).inc(usage.majority)
+    for name, amounts in USAGE_METRICS.items():
+        for amount in amounts(usages, name):
+            metric = getattr(metrics, name).labels(alias)
+            if hasattr(metric, "observe"):  # a histogram
+                metric.observe(amount)
+            else:
+                metric.inc(amount)
     return degraded
 
 
@@ -127,9 +159,7 @@ def count_passthrough(passing: Passing) -> None:
     if routing:
         metrics.upstream_calls.labels(alias).inc()
         metrics.tokens.labels(alias, "upstream").inc(routing["upstream_completion_tokens"])
-        metrics.upstream_prompt_tokens.labels(alias).inc(routing["upstream_prompt_tokens"])
-        metrics.upstream_completion_tokens.labels(alias).inc(routing["upstream_completion_tokens"])
-        metrics.upstream_cached_tokens.labels(alias).inc(routing["upstream_cached_tokens"])
-        metrics.upstream_cost.labels(alias).inc(routing["upstream_cost_usd"])
+        for name, counter in PASSTHROUGH_USAGE.items():
+            getattr(metrics, counter).labels(alias).inc(routing[name])
     record.summary = {"mode": "passthrough", "passthrough_reason": passing.blocker.param,
                       "tokens": {"upstream": routing.get("upstream_completion_tokens", 0)}}
