@@ -37,12 +37,22 @@ FALLBACK_INSTRUCTION = (
 
 
 @dataclass(frozen=True)
+class Alternatives:
+    """A continuation's first token as the upstream wrote it (`token`, its bytes) and the upstream's
+    likeliest tokens at that position (`top`: bytes and log-probability, likeliest first)."""
+
+    token: bytes
+    top: tuple[tuple[bytes, float], ...]
+
+
+@dataclass(frozen=True)
 class Handoff:
     """One question to the upstream: continue `answer` after `messages`.
 
     `prefix` is the conversation as this upstream sees it (its own chat template in completions
     mode), rendered once per request by the mode's `handoff`; `answer` is set per hand-off by
-    `with_answer`. Both are already neutralized (control-token strings broken), except in tokens
+    `with_answer` (and `alternatives` per call, see adapters.upstream.Upstream.continue_text). Both
+    are already neutralized (control-token strings broken), except in tokens
     mode, where content is tokenized as plain text instead and `prefix_ids` / `answer_ids` are
     what is sent. `request_key` names the request in providers' cache hints; `scope` is the
     tenant's cache scope, which the upstream's prefix cache is isolated by.
@@ -56,6 +66,7 @@ class Handoff:
     answer_ids: tuple[int, ...] = ()
     request_key: str = ""
     scope: str = "shared"
+    alternatives: int = 0  # how many likeliest tokens to ask for at the first position written (0: none)
 
     @property
     def ids(self) -> list[int]:
@@ -101,9 +112,15 @@ class TokensMode:
     def prompt_tokens(self, handoff: Handoff) -> int | None:
         return len(handoff.ids)
 
+    gives_alternatives: ClassVar[bool] = True
+
     async def call(self, handoff: Handoff, common: dict[str, Any], extra_body: dict[str, Any]) -> Any:
         return await litellm().atext_completion(prompt=handoff.ids, extra_body={"cache_prompt": True, **extra_body},
                                                 **common)
+
+    def alternatives_params(self, count: int) -> dict[str, Any]:
+        """What asks a completion for the first token's `count` likeliest alternatives."""
+        return {"logprobs": count}
 
     def text(self, handoff: Handoff, response: Any) -> str:
         return response.choices[0].text
@@ -142,6 +159,8 @@ class TextMode:
 class CompletionsMode(TextMode):
     """The upstream's own chat template rendered as text, continued with /v1/completions."""
 
+    gives_alternatives: ClassVar[bool] = True
+
     def _prefix(self, messages: list[dict[str, Any]], continue_final: bool) -> str:
         return self._vocab.template.render(messages, continue_final)
 
@@ -150,6 +169,9 @@ class CompletionsMode(TextMode):
 
     async def call(self, handoff: Handoff, common: dict[str, Any], extra_body: dict[str, Any]) -> Any:
         return await litellm().atext_completion(prompt=handoff.text, extra_body=extra_body, **common)
+
+    def alternatives_params(self, count: int) -> dict[str, Any]:
+        return {"logprobs": count}
 
     def text(self, handoff: Handoff, response: Any) -> str:
         return response.choices[0].text
@@ -160,6 +182,8 @@ class ChatMode(TextMode):
     documents (`answer_messages`), with its cache hints."""
 
     extra_body: ClassVar[dict[str, Any]] = {}  # what the mode adds to a call that carries an answer
+    # whether the reply's first token is the answer's next one, so that its alternatives are too
+    gives_alternatives: ClassVar[bool] = False
     restores_space: ClassVar[bool] = False  # whether `join` may put back a space the reply dropped
 
     def __init__(self, neutral: Callable[[str], str], vocab: Vocabulary | None, model: str) -> None:
@@ -175,6 +199,9 @@ class ChatMode(TextMode):
 
     def answer_messages(self, answer: str) -> list[dict[str, Any]]:
         return [{"role": "assistant", "content": answer}]
+
+    def alternatives_params(self, count: int) -> dict[str, Any]:
+        return {"logprobs": True, "top_logprobs": count}
 
     def text(self, handoff: Handoff, response: Any) -> str:
         """The text the reply adds to the partial answer, joined as `join` says."""
@@ -203,6 +230,7 @@ class ChatMode(TextMode):
 
 class ChatContinueMode(ChatMode):
     extra_body = {"continue_final_message": True, "add_generation_prompt": False}
+    gives_alternatives = True  # the reply continues the answer's own text
 
 
 class ChatPrefixMode(ChatMode):
@@ -236,6 +264,42 @@ def mode_for(mode: str, model: str, vocab: Vocabulary | None, neutral: Callable[
         return CompletionsMode(neutral, vocab)
     chat = {"chat_continue": ChatContinueMode, "chat_prefix": ChatPrefixMode, "chat_fallback": ChatFallbackMode}
     return chat[mode](neutral, vocab, model)
+
+
+def gives_alternatives(mode: str) -> bool:
+    """Whether a reply in continuation mode `mode` carries its first token's alternatives for the
+    answer's next position (tokens, completions, chat_continue): a chat_prefix or chat_fallback
+    reply may start a message of its own (its first word without the space the answer needs)."""
+    return mode in ("tokens", "completions", "chat_continue")
+
+
+def first_alternatives(response: Any) -> Alternatives | None:
+    """The first token of a response's first choice and its alternatives, from OpenAI's chat shape
+    (`logprobs.content`, which llama-server returns for completions too) or the legacy completions
+    shape (`logprobs.tokens` / `top_logprobs`); None where the response carries none."""
+    logprobs = getattr(response.choices[0], "logprobs", None)
+    if logprobs is None:
+        return None
+    content = _field(logprobs, "content")
+    if content:
+        first = content[0]
+        top = tuple((_token_bytes(t), float(_field(t, "logprob"))) for t in _field(first, "top_logprobs") or ())
+        return Alternatives(_token_bytes(first), top) if top else None
+    tokens, tops = _field(logprobs, "tokens"), _field(logprobs, "top_logprobs")
+    if not tokens or not tops or not tops[0]:
+        return None
+    top = sorted(((text.encode("utf-8"), float(lp)) for text, lp in tops[0].items()), key=lambda t: -t[1])
+    return Alternatives(tokens[0].encode("utf-8"), tuple(top))
+
+
+def _field(value: Any, name: str) -> Any:
+    return value.get(name) if isinstance(value, dict) else getattr(value, name, None)
+
+
+def _token_bytes(entry: Any) -> bytes:
+    """A logprob entry's token as bytes: its `bytes` where given (a token may end inside a character)."""
+    raw = _field(entry, "bytes")
+    return bytes(raw) if raw else (_field(entry, "token") or "").encode("utf-8")
 
 
 def split(handoff: Handoff) -> tuple[list[dict[str, Any]], str]:

@@ -24,11 +24,12 @@ import openai
 
 from adapters.cache_isolation import CacheSalt, Hidden, Isolation, Shared, TenantSlots
 from adapters.chat_template import COMMON_CONTROL, neutralize
-from adapters.continuation_modes import Handoff, mode_for
+from adapters.continuation_modes import Alternatives, Handoff, first_alternatives, mode_for
 from adapters.litellm_client import litellm
 from adapters.memory_store import MemoryStore
 from adapters.pricing import Prices
 from adapters.store import Store
+from adapters.trace_context import note_failed_attempt, trace_params
 from adapters.upstream_errors import (
     CircuitBreaker,
     Failure,
@@ -62,6 +63,7 @@ class Continuation:
     latency_s: float
     cached_tokens: int = 0  # prompt tokens the upstream read from its cache
     compute_ms: float | None = None  # the upstream's own prompt + generation time, where it reports it
+    first: Alternatives | None = None  # its first token's alternatives, where asked for and returned
 
 
 class Continuations(Protocol):
@@ -187,7 +189,8 @@ class Upstream:
     async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float,
                             top_p: float, seed: int | None, extra: dict[str, Any] | None = None) -> Continuation:
         """Ask the upstream for up to `max_tokens` tokens continuing the answer (`extra`: more
-        sampling parameters, such as penalties).
+        sampling parameters, such as penalties); a hand-off that asks for `alternatives` gets its
+        first token's likeliest ones too (`Continuation.first`; None from a mode without them).
 
         Transient failures are retried up to `retries` times and count against the circuit
         breaker, except 5xx answers to a call carrying the client's own `seed` or `extra`
@@ -207,6 +210,7 @@ class Upstream:
                 response = await self._call(handoff, max_tokens, temperature, top_p, seed, extra or {})
             except (openai.OpenAIError, httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
                 failure = failure_of(exc, client_values)
+                note_failed_attempt(failure, exc)
                 self._breaker.record_failure(failure, time.monotonic(), trial)
                 if failure == "refused":
                     raise UpstreamRejected(f"upstream '{self.name}' refused the hand-off: {exc}") from exc
@@ -225,10 +229,12 @@ class Upstream:
         s = self.settings
         common: dict[str, Any] = dict(
             model=s.model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            api_base=s.api_base, api_key=api_key_of(s), timeout=s.timeout_s, num_retries=0, **extra,
+            api_base=s.api_base, api_key=api_key_of(s), timeout=s.timeout_s, num_retries=0, **extra, **trace_params(),
         )
         if seed is not None:
             common["seed"] = int64(seed)
+        if handoff.alternatives and self._mode.gives_alternatives:
+            common.update(self._mode.alternatives_params(handoff.alternatives))
         async with self.isolation.lease(handoff.scope, handoff.request_key) as isolated:
             return await self._mode.call(handoff, common, {**s.extra_body, **isolated})
 
@@ -245,6 +251,7 @@ class Upstream:
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             cost_usd=self.estimate_cost(prompt_tokens, completion_tokens, usage.cached_tokens), latency_s=latency_s,
             cached_tokens=usage.cached_tokens, compute_ms=usage.compute_ms,
+            first=first_alternatives(response) if handoff.alternatives and self._mode.gives_alternatives else None,
         )
 
 

@@ -26,7 +26,9 @@ from gateway.settings import (
     load_settings,
 )
 from gateway.settings.shadow import OperatorShadowSettings
-from gateway.tenancy.tenants import TenantDirectory, key_digest
+from gateway.settings.tracing import TracingSettings
+from gateway.tenancy.records import key_digest
+from gateway.tenancy.tenants import TenantDirectory
 from policies import POLICIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,7 +135,8 @@ def test_a_draft_needs_what_can_end_it(fields, priced, problem):
 # -- every configuration the docs show still loads --
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-SECTIONS = {"server": ServerSettings, "store": StoreSettings, "shadow": OperatorShadowSettings}
+SECTIONS = {"server": ServerSettings, "store": StoreSettings, "shadow": OperatorShadowSettings,
+            "tracing": TracingSettings}
 
 
 def yaml_blocks(path: Path) -> list[str]:

@@ -42,9 +42,19 @@ def usage_of(admitted: Admitted) -> dict[str, Any]:
             **_agreement(usages),
             "price_vetoes": sum(u.price_vetoes for u in usages),
             "draft_hand_offs": sum(u.draft_hand_offs for u in usages),
+            **_combined(usages),
             "degraded": list(dict.fromkeys(reason for u in usages for reason in u.degraded)),
         },
     }
+
+
+def _combined(usages: list[Any]) -> dict[str, Any]:
+    """Routed steps by how their token was chosen (taken, agreed, changed, fell_back), where any was."""
+    counts: dict[str, int] = {}
+    for usage in usages:
+        for how, count in usage.combined.items():
+            counts[how] = counts.get(how, 0) + count
+    return {"combined": counts} if counts else {}
 
 
 def _confidence(usages: list[Any]) -> float | list[float] | None:

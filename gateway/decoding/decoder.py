@@ -8,7 +8,8 @@ afresh); that text is re-tokenized with the local tokenizer and appended (rewind
 prefix where the boundary re-merges), and local decoding carries on. A failed or refused hand-off
 decodes the step locally instead. Each request decodes on a sequence of its own in the local
 model's batched engine; while a greedy request's hand-off is in flight it guesses ahead
-(guessing.py). A held answer is shown once finished, rated by its check first (review.py).
+(guessing.py). A held answer is shown once finished, rated by its check first (review.py). A routed
+step's token is the upstream's, or chosen from both models' distributions (routing.py, `Combining`).
 
 A request's penalties and logit_bias adjust the local logits before anything reads them. Under a
 grammar (`response_format` JSON) every local token is one the grammar allows, an
@@ -35,11 +36,12 @@ from gateway.decoding.guessing import Guessing
 from gateway.decoding.handoffs import Gate, HandoffCalls
 from gateway.decoding.local_steps import LocalSteps
 from gateway.decoding.review import Review
-from gateway.decoding.routing import Routing
+from gateway.decoding.routing import Combining, Routing
 from gateway.decoding.text_stream import TextReleaser
 from gateway.decoding.values import GUESS_LIMIT, LOCAL, DecodeRequest, Guess, Piece, RoutingUsage, TokenLogprob, Written
 from policies import Decision, Signal
 from policies.agreement import AgreementCheck
+from policies.answer_check import AnswerStats
 
 __all__ = ["GUESS_LIMIT", "DecodeRequest", "Decoding", "Piece", "TokenLogprob"]
 
@@ -54,21 +56,23 @@ class Decoding:
         is parsed): build it off the event loop."""
         self.local, self.upstream, self.gate, self.request = local, upstream, gate, request
         self.prompt_tokens: list[int] = _prompt_tokens(local, request) if prompt_tokens is None else prompt_tokens
-        self.usage = RoutingUsage(policy=request.policy.name)
+        routing = request.routing
+        self.usage = RoutingUsage(policy=routing.policy.name)
         handoff = _first_handoff(upstream, request, gate.cache_scope)
         self.calls = HandoffCalls(upstream, gate, self.usage, request, closed=handoff is None)
-        if request.ceiling is not None and handoff is not None and not request.ceiling.prompt_tokens:
-            request.ceiling.prompt_tokens = upstream.estimate_prompt_tokens(handoff)
+        if routing.ceiling is not None and handoff is not None and not routing.ceiling.prompt_tokens:
+            routing.ceiling.prompt_tokens = upstream.estimate_prompt_tokens(handoff)
         grammar = local.grammar(request.grammar) if request.grammar else None
         limit = min(request.max_tokens, local.n_ctx - len(self.prompt_tokens))  # answer tokens
         self.answer = Answer(local, limit, request.stop, grammar)
         self._steps = LocalSteps(local, self.prompt_tokens, request, self.answer)
         self._routing = Routing(request, upstream, gate, self.calls, self.usage, self.answer, len(self.prompt_tokens))
+        self._combining = Combining(routing.combine, local, self.usage)
         self._escalation = Escalation(request, upstream, self.calls, self.usage, self.answer, handoff)
         self._guessing = Guessing(request, local, self._steps, self.calls, self.usage, self.answer)
-        self._samples = AgreementSamples(request, request.answer_check, self._sampled) \
-            if isinstance(request.answer_check, AgreementCheck) else None
-        held = request.held and (request.answer_check is not None or self._escalation.escalates_afresh)
+        check = routing.review.answer_check
+        self._samples = AgreementSamples(request, check, self._sampled) if isinstance(check, AgreementCheck) else None
+        held = routing.review.held and (check is not None or self._escalation.escalates_afresh)
         self._review = Review(request, upstream, self.calls, self.usage, self.answer, self._samples, held)
         self._routed: Guess | None = None  # a guessed step the policy routed: the next step, decided already
 
@@ -104,6 +108,12 @@ class Decoding:
         """stop or length once the answer ended; None before (or when its request ended first)."""
         return self.answer.finish_reason
 
+    @property
+    def rated(self) -> tuple[AnswerStats, str] | None:
+        """The local answer's stats and text as its check rated them, before any escalation (None:
+        not rated); what a learning alias's shadow example reads."""
+        return self._review.rated
+
     def source_counts(self) -> dict[str, int]:
         """Answer tokens per source: local, upstream, cache."""
         return self.answer.source_counts()
@@ -117,7 +127,7 @@ class Decoding:
         try:
             while True:
                 async with self.local.sequence(self.prompt_tokens, self.gate.cache_scope,
-                                               hidden=self.request.policy.reads_hidden,
+                                               hidden=self.request.routing.policy.reads_hidden,
                                                speculate=self.request.sampling.greedy,
                                                claim=self.request.claim) as sequence:
                     async for piece in self._decoded(sequence):
@@ -172,7 +182,7 @@ class Decoding:
         text = self.answer.accept(token)
         if text is None:
             return Piece("", (), LOCAL, signal)
-        logprobs = (self._steps.logprob(logits, token),) if self.request.logprobs else ()
+        logprobs = (self._steps.logprob(logits, token),) if self.request.logprobs is not None else ()
         return Piece(text, (token,), LOCAL, signal, logprobs)
 
     async def _upstream_step(self, sequence: Sequence, logits: np.ndarray, signal: Signal,
@@ -181,7 +191,7 @@ class Decoding:
         answer afresh, or, where neither can be had, the step decoded locally."""
         ask = self._escalation.ask(decision)
         if ask.afresh:  # past the ceiling only under on_ceiling: escalate, as a continued escalation may pass it
-            fresh = await self._afresh(sequence, signal, bounded=self.request.on_ceiling != "escalate")
+            fresh = await self._afresh(sequence, signal, bounded=not self.request.routing.escalates_past_ceiling)
             if fresh is not None:
                 return fresh
             self.calls.closed = True  # the rest decodes locally, rather than asking afresh each step
@@ -189,7 +199,7 @@ class Decoding:
             return [await self._local_step(logits, signal)]
         got, guesses = await self._handed_off(sequence, ask, logits, signal)
         before = list(self.answer.tokens)
-        got = self.answer.kept(got)
+        got = self.answer.kept(await self._combining.written(got, logits))
         if got is None or (not got.text and not got.finished):
             pieces = [await self._local_step(logits, signal)]
         else:
@@ -230,7 +240,8 @@ class Decoding:
                                to_limit: bool = False) -> Piece:
         """What a call wrote, appended (see Answer.append_upstream), scored locally for logprobs."""
         first, text = self.answer.append_upstream(written, to_limit)
-        logprobs = await self._steps.score(sequence, self.answer.tokens, first) if self.request.logprobs else ()
+        logprobs = await self._steps.score(sequence, self.answer.tokens, first) \
+            if self.request.logprobs is not None else ()
         return Piece(text, tuple(self.answer.tokens[first:]), written.source, signal, logprobs)
 
     async def _afresh(self, sequence: Sequence, signal: Signal | None, bounded: bool = True) -> list[Piece] | None:
@@ -252,7 +263,7 @@ class Decoding:
         if self.upstream is not None and not self.gate.allowed:  # settled at admission
             self.calls.closed = True
             self.usage.degrade(self.gate.refusal)
-        elif self.upstream is not None and self._escalation.handoff is None and self.request.policy.routes:
+        elif self.upstream is not None and self._escalation.handoff is None and self.request.routing.policy.routes:
             self.usage.degrade("upstream_continues_chats_only")  # raw text, and a chat-mode upstream
         if self._routing.warms_up:
             self.calls.warm_up(self._escalation.handoff)
@@ -261,10 +272,11 @@ class Decoding:
 
     async def _end(self) -> None:
         """After the last step (or when the request ends): the answer's length noted, calls and samples ended."""
-        if self.request.ceiling is not None:  # the answer's length as a direct call bills it, for cost_ratio
-            self.request.ceiling.note(self.request.choice, self.answer.direct_length + self.answer.end_token)
-        if self.request.answer_lengths is not None and self.answer.finish_reason is not None:
-            self.request.answer_lengths.add(len(self.answer.tokens))
+        routing = self.request.routing
+        if routing.ceiling is not None:  # the answer's length as a direct call bills it, for cost_ratio
+            routing.ceiling.note(self.request.choice, self.answer.direct_length + self.answer.end_token)
+        if routing.answer_lengths is not None and self.answer.finish_reason is not None:
+            routing.answer_lengths.add(len(self.answer.tokens))
         await self.calls.end()
         if self._samples is not None:
             await self._samples.end()
@@ -284,5 +296,8 @@ def _first_handoff(upstream: Continuations | None, request: DecodeRequest, scope
     if upstream is None:
         return None
     if request.prompt is not None:
-        return upstream.text_handoff(request.prompt, scope)
-    return upstream.handoff(request.messages, request.continue_final, scope)
+        handoff = upstream.text_handoff(request.prompt, scope)
+    else:
+        handoff = upstream.handoff(request.messages, request.continue_final, scope)
+    alternatives = request.routing.combine.alternatives  # asked of every call: hand-offs extend this one
+    return dataclasses.replace(handoff, alternatives=alternatives) if handoff is not None and alternatives else handoff

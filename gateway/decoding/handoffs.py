@@ -14,16 +14,18 @@ hand-off waits for it and, at the answer's first token with span 1, uses the tok
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from adapters.store import Billed, Reservation
-from adapters.upstream import Continuation, Continuations, Handoff, UpstreamUnavailable
+from adapters.upstream import Alternatives, Continuation, Continuations, Handoff, UpstreamUnavailable
 from gateway.decoding.spans import cut_span
 from gateway.decoding.values import CACHE, UPSTREAM, DecodeRequest, RoutingUsage, Written
 from gateway.tenancy.budget import RESERVATION_MARGIN_S, billed
+from gateway.traced import traced, wrote
 
 log = logging.getLogger("gateway.decoding.handoffs")
 
@@ -87,22 +89,26 @@ class HandoffCalls:
         if got is None:
             return None
         text, cut = cut_span(got.text, until)
-        return Written(text, got.finished and not cut, got.source, None if cut else got.billed_tokens)
+        return Written(text, got.finished and not cut, got.source, None if cut else got.billed_tokens, got.first)
 
+    @traced("gateway.handoff", wrote)
     async def uncut(self, handoff: Handoff, span: int) -> Written | None:
         """What the cache or the upstream wrote for `span` tokens, whole; None to decode locally."""
         deterministic = self.request.sampling.greedy
         key = self.upstream.cache_key(handoff, span, self.gate.cache_scope)
+        if handoff.alternatives:  # kept apart: its entries hold the first token's alternatives too
+            key = f"{key}:alternatives{handoff.alternatives}"
         if deterministic:
             cached = await self.gate.cache_get(key)
             if cached is not None:
-                return Written(cached[1:], cached[0] == "1", CACHE)
+                return cached_written(cached, bool(handoff.alternatives))
         continuation = await self._warmed(handoff, span) or await self.call(handoff, span)
         if continuation is None:
             return None
         if deterministic:
-            await self.gate.cache_put(key, ("1" if continuation.finished else "0") + continuation.text)
-        return Written(continuation.text, continuation.finished, UPSTREAM, continuation.completion_tokens)
+            await self.gate.cache_put(key, cache_entry(continuation, bool(handoff.alternatives)))
+        return Written(continuation.text, continuation.finished, UPSTREAM, continuation.completion_tokens,
+                       continuation.first)
 
     async def _warmed(self, handoff: Handoff, span: int) -> Continuation | None:
         """Wait for the warm-up (this hand-off extends its sequence). The token it wrote is this
@@ -152,3 +158,26 @@ class HandoffCalls:
         self.reusable_tokens = continuation.prompt_tokens  # the next call extends this prefix
         await asyncio.shield(self.gate.settle(reservation, billed(continuation)))
         return continuation
+
+
+def cache_entry(continuation: Continuation, alternatives: bool) -> str:
+    """A continuation as the cache keeps it: whether it finished, then its text (with `alternatives`,
+    the text and its first token's alternatives as JSON, bytes as latin-1 text)."""
+    finished = "1" if continuation.finished else "0"
+    if not alternatives:
+        return finished + continuation.text
+    first = continuation.first
+    listed = None if first is None else [first.token.decode("latin-1"),
+                                         [[piece.decode("latin-1"), logprob] for piece, logprob in first.top]]
+    return finished + json.dumps([continuation.text, listed])
+
+
+def cached_written(entry: str, alternatives: bool) -> Written:
+    """What a cache entry (`cache_entry`) holds, as written from the cache."""
+    finished, body = entry[0] == "1", entry[1:]
+    if not alternatives:
+        return Written(body, finished, CACHE)
+    text, listed = json.loads(body)
+    first = None if listed is None else Alternatives(
+        listed[0].encode("latin-1"), tuple((piece.encode("latin-1"), logprob) for piece, logprob in listed[1]))
+    return Written(text, finished, CACHE, None, first)

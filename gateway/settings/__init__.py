@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -20,8 +21,12 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 # from the gateway); it is loaded here with the rest.
 from adapters.upstream_settings import LaunchSettings, UpstreamMode, UpstreamSettings  # noqa: F401
 from gateway.presets import Preset, expanded
+from gateway.settings.learning import LearnSettings, learn_problem
+from gateway.settings.routing_values import AnswerReview, CeilingRule, CombineRule, HandoffRule, PolicyRule, rule_of
 from gateway.settings.shadow import KnobSettings, OperatorShadowSettings, ShadowSettings, TenantShadow, quality_problem
-from policies.agreement import AnswerFormat, KeptAnswer
+from gateway.settings.tracing import TracingSettings
+from policies.agreement import AgreementCheck, AnswerFormat, KeptAnswer
+from policies.answer_check import AnswerCheck
 from policies.registry import POLICIES
 
 
@@ -137,6 +142,17 @@ class RoutingSettings(Strict):
         "tokens", description="Where a hand-off's text ends: tokens (all `span` tokens), or the end of the first "
         "word, line or sentence within them.")
     max_upstream_calls: int = Field(64, ge=0, description="Cap on upstream calls per request.")
+    combine: Combine = Field(
+        "take", description="How a routed step's token is chosen: take (the upstream's), contrastive (of the tokens "
+        "the upstream finds plausible, the one maximising log p_upstream - combine_beta * log p_local) or fuse (the "
+        "argmax of (1 - combine_weight) log p_local + combine_weight log p_upstream over both top lists); needs an "
+        "upstream whose mode returns alternatives (tokens, completions, chat_continue).")
+    combine_alpha: float = Field(0.1, gt=0, le=1, description="contrastive: a token is plausible at this share of "
+                                 "the upstream's top probability or more.")
+    combine_beta: float = Field(0.5, ge=0, le=10, description="contrastive: weight of the local model's log p.")
+    combine_weight: float = Field(0.5, ge=0, le=1, description="fuse: weight of the upstream's log p.")
+    combine_alternatives: int = Field(5, ge=1, le=20, description="contrastive and fuse: how many of its likeliest "
+                                      "tokens a hand-off asks the upstream for (top_logprobs).")
     max_cost_ratio: float | None = Field(
         None, gt=0, le=1000, description="Cost ceiling: an answer's hand-offs never bill more than this multiple of "
         "what asking the upstream directly would cost (its price sheet: the prompt once, plus the answer's tokens).")
@@ -173,10 +189,15 @@ class RoutingSettings(Strict):
     quality_target: float | None = Field(None, gt=0, lt=1, description="Agreement with upstream-only answers to "
                                          "hold (needs shadow and knob): the knob moves after each window of samples.")
     knob: KnobSettings | None = Field(None, description="The routing field a quality_target moves, and its bounds.")
+    learn: LearnSettings | None = Field(None, description="Routing that learns on its own traffic: shadow samples "
+                                        "become examples, an answer check is fitted on them and held to quality_target "
+                                        "(docs/routing.md, 'Routing that learns'); `on` takes the defaults.")
 
     @model_validator(mode="after")
     def _quality_target(self) -> "RoutingSettings":
-        problem = quality_problem(self.shadow, self.quality_target, self.knob)
+        learns = self.learn is not None and self.learn.enabled
+        problem = quality_problem(self.shadow, self.quality_target, self.knob, learns) or \
+            learn_problem(self.learn, self.shadow, self.quality_target)
         if problem:
             raise ValueError(problem)
         return self
@@ -205,6 +226,37 @@ class RoutingSettings(Strict):
         if problem:
             raise ValueError(problem)
         return self
+
+    # the rules the policy and the decoding read, each handed out whole (gateway/settings/routing_values.py)
+
+    @property
+    def policy_rule(self) -> PolicyRule:
+        """What the policy reads beside its name: threshold, target, caps, price terms."""
+        return rule_of(PolicyRule, self)
+
+    @property
+    def handoffs(self) -> HandoffRule:
+        """How much one hand-off asks for: span and span_until."""
+        return rule_of(HandoffRule, self)
+
+    @property
+    def combining(self) -> CombineRule:
+        """How a routed step's token is chosen: combine and its parameters."""
+        return rule_of(CombineRule, self)
+
+    @property
+    def ceiling(self) -> CeilingRule:
+        """The cost ceiling: max_cost_ratio and on_ceiling."""
+        return rule_of(CeilingRule, self)
+
+    def review(self, fitted: AnswerCheck | None, held: bool) -> AnswerReview:
+        """What may become of an answer before it is shown (`held`: the request does not stream): rated by
+        the agreement check this routing asks for, else by the alias's `fitted` check file (None: none),
+        and asked afresh below escalate_below (0 or null: never) or when it escalates."""
+        agreement = self.answer_check
+        check = AgreementCheck(agreement.samples, agreement.temperature, agreement.format, agreement.answer) \
+            if isinstance(agreement, AgreementSettings) else fitted
+        return rule_of(AnswerReview, self, answer_check=check, escalate_below=self.escalate_below or None, held=held)
 
 
 def knob_reads(field: str, policy: str, checked: bool) -> bool:
@@ -250,6 +302,7 @@ PolicyName = Annotated[str, PlainValidator(_registered), _RegisteredNames()]
 OnCeiling = Literal["local", "escalate"]
 Escalation = Literal["continue", "afresh", "draft"]
 SpanRule = Literal["tokens", "word", "line", "sentence"]
+Combine = Literal["take", "contrastive", "fuse"]
 
 
 class RoutingOverride(Strict):
@@ -263,6 +316,13 @@ class RoutingOverride(Strict):
     max_upstream_share: float | None = Field(None, ge=0, le=1, description="Cap on the upstream share of the answer.")
     span: int | None = Field(None, ge=1, le=64, description="Most tokens the upstream writes per hand-off.")
     span_until: SpanRule | None = Field(None, description="Where a hand-off's text ends: tokens, word, line, sentence.")
+    combine: Combine | None = Field(None, description="How a routed step's token is chosen: take, contrastive, fuse.")
+    combine_alpha: float | None = Field(None, gt=0, le=1, description="contrastive: plausibility share of the "
+                                        "upstream's top probability.")
+    combine_beta: float | None = Field(None, ge=0, le=10, description="contrastive: weight of the local log p.")
+    combine_weight: float | None = Field(None, ge=0, le=1, description="fuse: weight of the upstream's log p.")
+    combine_alternatives: int | None = Field(None, ge=1, le=20, description="contrastive and fuse: the upstream's "
+                                             "alternatives a hand-off asks for.")
     max_cost_ratio: float | None = Field(None, gt=0, le=1000, description="Cost ceiling, as a multiple of asking the "
                                          "upstream directly.")
     on_ceiling: OnCeiling | None = Field(None, description="At the ceiling: local or escalate.")
@@ -374,10 +434,14 @@ class TenantSettings(Strict):
         return self.aliases is None or alias in self.aliases
 
     @model_validator(mode="after")
-    def _has_key(self) -> "TenantSettings":
-        if not (self.api_key_sha256 or self.api_key_env):
+    def _has_key(self, info: ValidationInfo) -> "TenantSettings":
+        stored = (info.context or {}).get(STORED_TENANT)  # the Store's tenants have keys of their own
+        if not (self.api_key_sha256 or self.api_key_env or stored):
             raise ValueError(f"tenant '{self.id}' needs api_key_sha256 or api_key_env")
         return self
+
+
+STORED_TENANT = "stored_tenant"  # validation context: a tenant read from the Store, whose keys are issued there
 
 
 class Settings(BaseSettings):
@@ -394,6 +458,8 @@ class Settings(BaseSettings):
     admin_key_env: str = Field("GATEWAY_ADMIN_KEY", description="Environment variable holding the admin key.")
     shadow: OperatorShadowSettings = Field(default_factory=OperatorShadowSettings, description="Shadow answers' "
                                            "operator budget, queue and timeline (aliases' routing.shadow).")
+    tracing: TracingSettings = Field(default_factory=TracingSettings, description="OpenTelemetry traces over "
+                                     "OTLP/HTTP (off unless `otlp_endpoint` is set).")
 
     @classmethod
     def settings_customise_sources(

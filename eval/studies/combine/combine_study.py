@@ -1,0 +1,148 @@
+"""Issue #63's combine study, in FS-GEN's shape: accuracy against the routed share for take,
+contrastive and fuse at the routed steps, on held-out CommonsenseQA, the embedded pair.
+
+    .venv/bin/python -m eval.studies.combine.combine_study run --rows 100:200 --configs entropy@2.5
+    .venv/bin/python -m eval.studies.combine.combine_study report --rows 100:200 --configs entropy@2.5
+
+`run` decodes item by item: `local` and `upstream` (the large model asked directly) through the
+eval harness's own runner (fitting/runner.py), then each routing config once per combine rule
+with the real decoder (one llama-server, tokens mode, as `python -m eval run` launches it), a fresh
+unlimited gate per answer (no continuation cache shared between rules). Records are written as
+`python -m eval run` writes them, results/combine/csqa__<config>.jsonl and
+combined/csqa__<config>+<rule>.jsonl, resumable (an item already recorded is skipped); gzip them once done.
+
+`report`: accuracy per config and rule over the items every config answered, the routed share of
+answer tokens, and each rule paired with take at the same routing config (gained / lost, exact
+McNemar p), with how its routed steps chose (usage.routing.combined).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from adapters.memory_store import MemoryStore
+from adapters.store import Limits
+from fitting.answers import score
+from fitting.configs import parse_config
+from fitting.datasets import Item, load_items
+from fitting.records import append_record, read_records, records_path
+from fitting.runner import RunPlan, run
+from fitting.session import Models, ModelOptions, open_models
+from gateway.decoding.cost_ceiling import CostCeiling
+from gateway.decoding.decoder import DecodeRequest, Decoding
+from gateway.decoding.values import RequestRouting
+from gateway.settings.routing_values import CeilingRule, CombineRule, HandoffRule
+from gateway.tenancy.budget import HandoffGate, Ledger
+
+ROOT = Path(__file__).resolve().parents[3]
+RESULTS = ROOT / "results" / "combine"
+DATA = ROOT / "data" / "commonsenseqa_dev300_rows922-1221.jsonl"  # untouched: nothing fitted or chosen on it
+RULES = ("take", "contrastive", "fuse")
+
+
+async def decode(models: Models, item: Item, config: str, rule: str, max_tokens: int) -> dict[str, Any]:
+    """One answer under routing `config` with combine `rule` (its default parameters), as a record."""
+    spec = parse_config(config)
+    routing = RequestRouting(spec.policy_object(None), HandoffRule(1),
+                             CostCeiling(CeilingRule(), models.upstream.prices, 0), combine=CombineRule(rule))
+    gate = HandoffGate(Ledger(MemoryStore()), "eval", Limits(), allowed=True)
+    decoding = Decoding(models.local, models.upstream, gate,
+                        DecodeRequest(messages=item.messages, max_tokens=max_tokens, routing=routing))
+    started = time.monotonic()
+    async for _ in decoding.pieces():
+        pass
+    text, usage, counts = decoding.text.text, decoding.usage, decoding.source_counts()
+    scored = score("csqa", item, text)
+    return {"id": item.id, "row": item.row, "config": f"{config}+{rule}", "dataset": "csqa", "gold": item.gold,
+            "text": text, "pred": scored.pred, "correct": scored.correct, "answer_tokens": len(decoding.answer_tokens),
+            "upstream_tokens": counts["upstream"] + counts["cache"], "upstream_calls": usage.upstream_calls,
+            "upstream_cost_usd": usage.upstream_cost_usd, "combined": dict(usage.combined),
+            "degraded": list(usage.degraded), "wall_s": round(time.monotonic() - started, 3)}
+
+
+async def run_study(args: argparse.Namespace) -> None:
+    items = load_items("csqa", DATA, args.rows)
+    models = await open_models(ModelOptions(local=args.local, upstream=args.upstream, threads=args.threads),
+                               with_upstream=True)
+    deadline = time.monotonic() + args.minutes * 60
+    try:
+        for item in items:
+            if time.monotonic() > deadline:
+                print("time is up: rerun the same command to resume", flush=True)
+                break
+            await run(RunPlan("csqa", [item], [parse_config("local"), parse_config("upstream")], args.out,
+                              args.max_tokens), models)
+            for config in args.configs:
+                for rule in RULES:
+                    path = records_path(args.out / "combined", "csqa", f"{config}+{rule}")
+                    if any(r["id"] == item.id for r in read_records(path)):
+                        continue
+                    append_record(path, await decode(models, item, config, rule, args.max_tokens))
+            print(f"item {item.row} done", flush=True)
+    finally:
+        models.close()
+
+
+def mcnemar(gained: int, lost: int) -> float:
+    """Exact two-sided McNemar p-value of `gained` against `lost` discordant pairs."""
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(gained, lost) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def report(args: argparse.Namespace) -> None:
+    wanted = {item.id for item in load_items("csqa", DATA, args.rows)}
+    names = ["local", "upstream"] + [f"{c}+{r}" for c in args.configs for r in RULES]
+    records = {name: {r["id"]: r for r in read_records(records_path(args.out / ("combined" if "+" in name else ""),
+                                                                    "csqa", name)) if r["id"] in wanted}
+               for name in names}
+    common = sorted(set.intersection(*(set(by_id) for by_id in records.values())))
+    n = len(common)
+    print(f"{n} held-out CommonsenseQA items answered by every config (rows {args.rows}); "
+          f"max_tokens {args.max_tokens}\n")
+    print("| config | accuracy | routed share of tokens | vs take: gained / lost (McNemar p) | routed steps: "
+          "agreed / changed / fell back |")
+    print("|---|---|---|---|---|")
+    for name in names:
+        by_id = records[name]
+        right = sum(by_id[i]["correct"] for i in common)
+        written = sum(by_id[i]["answer_tokens"] for i in common)
+        share = sum(by_id[i]["upstream_tokens"] for i in common) / max(1, written)
+        paired, steps = "", ""
+        if "+" in name and not name.endswith("+take"):
+            take = records[name.rsplit("+", 1)[0] + "+take"]
+            gained = sum(by_id[i]["correct"] and not take[i]["correct"] for i in common)
+            lost = sum(take[i]["correct"] and not by_id[i]["correct"] for i in common)
+            paired = f"{gained} / {lost} (p = {mcnemar(gained, lost):.2f})"
+            how = {k: sum(by_id[i]["combined"].get(k, 0) for i in common) for k in ("agreed", "changed", "fell_back")}
+            steps = f"{how['agreed']} / {how['changed']} / {how['fell_back']}"
+        print(f"| {name} | {right / max(1, n):.1%} ({right}/{n}) | {share:.1%} | {paired} | {steps} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["run", "report"])
+    parser.add_argument("--rows", default="100:200")
+    parser.add_argument("--configs", nargs="+", default=["entropy@2.5"])
+    parser.add_argument("--local", default="smollm2-135m-instruct")
+    parser.add_argument("--upstream", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--minutes", type=float, default=18.0, help="run: stop starting items after this long")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--max-tokens", type=int, default=32)  # CommonsenseQA's cap in the studies
+    args = parser.parse_args()
+    if args.command == "run":
+        asyncio.run(run_study(args))
+    else:
+        report(args)
+
+
+if __name__ == "__main__":
+    main()
