@@ -8,6 +8,7 @@ GGUF, and check its SHA-256 against a pinned value before anyone loads it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import subprocess
@@ -83,9 +84,19 @@ def sha256_of(path: Path) -> str:
 
 
 def model_sha256(ref: str) -> str:
-    """SHA-256 of a model: pinned for a catalog name (its file is verified against it), else hashed."""
+    """SHA-256 of a model: pinned for a catalog name (its file is verified against it), else hashed
+    (once per path, size and modification time: start-up, reloads and learners all ask)."""
     entry = CATALOG.get(ref)
-    return entry.sha256 if entry else sha256_of(resolve_model(ref))
+    if entry:
+        return entry.sha256
+    path = resolve_model(ref).resolve()
+    stat = path.stat()
+    return _hashed(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _hashed(path: Path, size: int, mtime_ns: int) -> str:
+    return sha256_of(path)
 
 
 def resolve_model(ref: str, cache_dir: Path | None = None, fetch: bool = False) -> Path:

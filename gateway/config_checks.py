@@ -31,16 +31,6 @@ class CheckedSettings:
     warnings: list[str]  # tenant overrides under which an alias refuses requests (check_routing)
 
 
-class ModelShas(dict):
-    """Local model files' sha256 by their `gguf` reference, each hashed once per check (hashing a
-    model given by path reads the whole file)."""
-
-    def of(self, gguf: str) -> str:
-        if gguf not in self:
-            self[gguf] = model_sha256(gguf)
-        return self[gguf]
-
-
 def check_settings(settings: Settings) -> CheckedSettings:
     """Check `settings` as start-up does before loading a model (and `python -m gateway check-config`,
     and a reload): every local model file there (a catalog one verified, not fetched), steering vectors,
@@ -48,24 +38,23 @@ def check_settings(settings: Settings) -> CheckedSettings:
     runnable. Raises SettingsError, ModelFileError or RouterError, each one line."""
     for local in settings.models.local.values():
         resolve_model(local.gguf)
-    shas = ModelShas()
-    steerings = steering_of(settings, shas)  # its width is checked as the model loads
-    notes = fit_presets(settings, shas)
-    files = alias_files(settings, shas)
+    steerings = steering_of(settings)  # its width is checked as the model loads
+    notes = fit_presets(settings)
+    files = alias_files(settings)
     warnings = check_routing(settings, {name: router for name, (router, _) in files.items()})
     return CheckedSettings(settings, files, steerings, notes, warnings)
 
 
-def fit_presets(settings: Settings, shas: ModelShas | None = None) -> list[str]:
+def fit_presets(settings: Settings) -> list[str]:
     """Give each alias whose routing preset needs a router fitted for another local model the
     preset's fallback (gateway/presets.py), in place; a line for each, saying what it lacks."""
-    lines, shas = [], ModelShas() if shas is None else shas
+    lines = []
     for name, alias in settings.aliases.items():
         routing = alias.routing
         if routing.preset is None or routing.router != ROUTER:
             continue
         try:
-            Router.load(routing.router, shas.of(settings.models.local[alias.local].gguf))
+            Router.load(routing.router, model_sha256(settings.models.local[alias.local].gguf))
         except RouterError as exc:
             preset = PRESETS[routing.preset]  # the fields given beside it are those that differ from its values
             given = {k: v for k, v in routing.model_dump(exclude_unset=True).items() if preset.get(k, v) != v
@@ -76,16 +65,16 @@ def fit_presets(settings: Settings, shas: ModelShas | None = None) -> list[str]:
     return lines
 
 
-def steering_of(settings: Settings, shas: ModelShas | None = None) -> dict[str, Steering]:
+def steering_of(settings: Settings) -> dict[str, Steering]:
     """Each steered local entry's vector, checked against its GGUF's sha256 and its layers against
     the file's (its width against the model's as the model loads). Raises SettingsError naming the
     entry, or ModelFileError."""
-    steerings, shas = {}, ModelShas() if shas is None else shas
+    steerings = {}
     for name, local in settings.models.local.items():
         if local.steering is None:
             continue
         try:
-            vector = SteeringVector.load(local.steering.vector, shas.of(local.gguf))
+            vector = SteeringVector.load(local.steering.vector, model_sha256(local.gguf))
             steerings[name] = Steering(vector, local.steering.scale, local.steering.layers)
             steerings[name].control(vector.n_layer, vector.n_embd)  # its layers exist
         except SteeringError as exc:
@@ -93,16 +82,15 @@ def steering_of(settings: Settings, shas: ModelShas | None = None) -> dict[str, 
     return steerings
 
 
-def alias_files(settings: Settings,
-                shas: ModelShas | None = None) -> dict[str, tuple[Router | None, AnswerCheck | None]]:
+def alias_files(settings: Settings) -> dict[str, tuple[Router | None, AnswerCheck | None]]:
     """Each alias's router and answer check, checked against its local model's sha256.
     Raises RouterError, or ModelFileError for a local model given by a path that is not there."""
-    files, shas = {}, ModelShas() if shas is None else shas
+    files = {}
     for name, alias in settings.aliases.items():
         routing, local = alias.routing, settings.models.local[alias.local]
         check_file = routing.answer_check if isinstance(routing.answer_check, str) else None
         needs_sha = routing.router is not None or check_file is not None
-        local_sha = shas.of(local.gguf) if needs_sha else ""
+        local_sha = model_sha256(local.gguf) if needs_sha else ""
         files[name] = (None if routing.router is None else Router.load(routing.router, local_sha),
                        None if check_file is None else AnswerCheck.load(check_file, local_sha))
     return files

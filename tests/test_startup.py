@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import httpx
 import pytest
 import yaml
 
+from adapters import model_files
 from tests.conftest import ROOT, gateway_config, live_gateway, router_file
 
 pytestmark = pytest.mark.integration
@@ -131,3 +133,16 @@ def test_a_tenant_share_outside_the_routers_fitted_shares_is_named_at_startup(tm
         assert ("tenants.demo on alias learned: requests without routing of their own get a 400: the router's thresholds "
                 "are fitted for shares 0.1, 0.2: 0.5 is outside them") in gateway.log_path.read_text()
         assert chat(gateway, "learned").json()["error"]["param"] == "routing.target_fraction"
+
+
+def test_a_model_given_by_path_is_hashed_once_until_its_file_changes(tmp_path, monkeypatch):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + b"\0" * 60)
+    reads = []
+    monkeypatch.setattr(model_files, "sha256_of",
+                        lambda p: reads.append(p) or hashlib.sha256(p.read_bytes()).hexdigest())
+    first = model_files.model_sha256(str(path))
+    assert model_files.model_sha256(str(path)) == first and len(reads) == 1  # start-up, reload, learner: one read
+    path.write_bytes(b"GGUF" + b"\1" * 60)
+    os.utime(path, ns=(1, 1))  # another file at the same path
+    assert model_files.model_sha256(str(path)) != first and len(reads) == 2
