@@ -3,8 +3,11 @@ no I/O, no clock. The gateway (gateway/shadow/learning.py) keeps the examples an
 in the Store and calls these.
 
 An example is one shadow sample of an answer the alias's own routing produced: the local answer's
-FEATURES (policies/answer_check.py, what the check reads at serving time) and whether that answer,
-before any escalation, agrees with the upstream's direct answer. Each example's id decides once and
+FEATURES (policies/answer_check.py, what the fitted file's check reads), its prompt's length, the
+agreement share where samples ran and its format (`AnswerInputs`), and whether that answer, before
+any escalation, agrees with the upstream's direct answer. A learned check (`LearnedCheck`) reads a
+named subset of LEARNED_FEATURES, kept with it, so a check fitted on fewer (an older version's six
+FEATURES) still loads and rates with its own. Each example's id decides once and
 for all whether it is held out (`is_held_out`): a check is fitted on the others, and its ranking
 (AUC) and its bar are measured on held-out examples only, which no version was ever fitted on.
 
@@ -24,10 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from policies.answer_check import FEATURES, AnswerCheck
+from policies.agreement import answer_format
+from policies.answer_check import CHECK_FORMAT, CORE_KEYS, FEATURES, AnswerStats
+from policies.learned import RouterError, check_header, standardised_logistic
 
 Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
 CHANCE_AUC = 0.5  # the ranking a cold start (no check) counts as: a new check must beat it
+FORMATS = ("code", "letter", "number", "text")  # the formats answers are compared in (policies/agreement.py)
+AGREEMENT_FEATURES = ("agreement", "has_agreement")
+CONTEXT_FEATURES = ("log_prompt_tokens", *AGREEMENT_FEATURES, *(f"format_{fmt}" for fmt in FORMATS))
+LEARNED_FEATURES = (*FEATURES, *CONTEXT_FEATURES)  # FEATURES holds log_answer_tokens already
 
 
 def wilson(successes: float, n: float, z: float = Z95) -> tuple[float, float] | None:
@@ -118,6 +127,83 @@ def choose_bar(scores: Sequence[float], labels: Sequence[bool], target: float) -
 
 
 @dataclass(frozen=True)
+class AnswerInputs:
+    """What a learned check may read of one answer: its AnswerStats FEATURES (in order), its prompt's
+    length in tokens (None: not known where it is rated), the agreement check's share of agreeing
+    samples (None: no samples ran) and its format as `auto` reads the local answer (None: unknown)."""
+
+    features: tuple[float, ...]
+    prompt_tokens: int | None = None
+    agreement: float | None = None
+    format: str | None = None
+
+    @classmethod
+    def of(cls, stats: AnswerStats, text: str | None = None, prompt_tokens: int | None = None,
+           agreement: float | None = None) -> "AnswerInputs":
+        """The inputs of the answer `text` whose steps gave `stats`."""
+        fmt = None if text is None else answer_format(text)
+        return cls(tuple(float(v) for v in stats.features()), prompt_tokens, agreement, fmt)
+
+    def vector(self, names: Sequence[str]) -> np.ndarray:
+        """The values of `names` (each one of LEARNED_FEATURES), NaN where unknown: log1p of the
+        prompt's tokens; the agreement share, 0 with `has_agreement` 0 where no samples ran; one
+        0/1 column per format of FORMATS."""
+        values = dict(zip(FEATURES, self.features))
+        values["log_prompt_tokens"] = math.nan if self.prompt_tokens is None else math.log1p(self.prompt_tokens)
+        values["agreement"] = 0.0 if self.agreement is None else float(self.agreement)
+        values["has_agreement"] = float(self.agreement is not None)
+        for fmt in FORMATS:
+            values[f"format_{fmt}"] = math.nan if self.format is None else float(self.format == fmt)
+        return np.array([values[name] for name in names], dtype=float)
+
+
+@dataclass(frozen=True)
+class LearnedCheck:
+    """P(agrees) = sigmoid(w . (x - mean) / scale + b) over the answer's `features` (a subset of
+    LEARNED_FEATURES, in that order). An input unknown where it is rated is read at its fitted mean.
+    Its JSON is an answer check file's (policies/answer_check.py) naming its features: one fitted on
+    FEATURES alone is a file an alias may name as `routing.answer_check`."""
+
+    features: tuple[str, ...]
+    weights: np.ndarray
+    bias: float
+    mean: np.ndarray
+    scale: np.ndarray
+    model_sha256: str
+    meta: dict[str, Any]
+
+    def confidence(self, answer: AnswerStats | AnswerInputs) -> float:
+        """The chance, in [0, 1], that the answer agrees with upstream-only's (`answer`'s stats alone:
+        every other input unknown)."""
+        inputs = answer if isinstance(answer, AnswerInputs) else AnswerInputs.of(answer)
+        return float(self.scores(inputs.vector(self.features)[None, :])[0])
+
+    def scores(self, x: np.ndarray) -> np.ndarray:
+        """The confidence of each row of `x` (rows of `features`' values, NaN where unknown)."""
+        z = np.nan_to_num((x - self.mean) / self.scale, nan=0.0)
+        return 1.0 / (1.0 + np.exp(-np.clip(z @ self.weights + self.bias, -500, 500)))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": CHECK_FORMAT, "features": list(self.features), "model_sha256": self.model_sha256,
+                "weights": self.weights.tolist(), "bias": self.bias, "mean": self.mean.tolist(),
+                "scale": self.scale.tolist(), "shares": {},
+                **{k: v for k, v in self.meta.items() if k not in CORE_KEYS}}
+
+    @classmethod
+    def of_json(cls, data: Any, path: str, model_sha256: str | None = None) -> "LearnedCheck":
+        """A check from its JSON (`to_json`'s shape, or an older version's six FEATURES); RouterError
+        if it is not one, reads a feature this gateway does not compute, or is for another model."""
+        names = data.get("features") if isinstance(data, dict) else None
+        if not isinstance(names, list) or not names or len(set(names)) != len(names) \
+                or not set(names) <= set(LEARNED_FEATURES):
+            raise RouterError(f"{path} reads features {names}, not some of {list(LEARNED_FEATURES)}")
+        check_header(data, path, CHECK_FORMAT, model_sha256, tuple(names))
+        weights, bias, mean, scale = standardised_logistic(data, path, len(names), "answer check")
+        return cls(tuple(names), weights, bias, mean, scale, str(data["model_sha256"]),
+                   {k: v for k, v in data.items() if k not in CORE_KEYS})
+
+
+@dataclass(frozen=True)
 class Example:
     """One labelled shadow sample (see the module docstring); `extra`: what is kept beside the
     features for reports and `tune` (agreement share, prompt tokens, answer length, format, tenant)."""
@@ -130,6 +216,15 @@ class Example:
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "features": list(self.features), "agreed": self.agreed, **self.extra}
 
+    def inputs(self) -> AnswerInputs:
+        """What a learned check reads of this example; an example kept before `answer_format` was
+        (an older version's) gives the format its answers were compared in."""
+        prompt, agreement = self.extra.get("prompt_tokens"), self.extra.get("agreement")
+        fmt = self.extra.get("answer_format", self.extra.get("format"))
+        return AnswerInputs(self.features, int(prompt) if isinstance(prompt, (int, float)) else None,
+                            float(agreement) if isinstance(agreement, (int, float)) else None,
+                            fmt if isinstance(fmt, str) else None)
+
     @classmethod
     def of_json(cls, data: Mapping[str, Any]) -> "Example":
         extra = {k: v for k, v in data.items() if k not in ("id", "features", "agreed")}
@@ -140,7 +235,7 @@ class Example:
 class Candidate:
     """A check fitted on the non-held-out examples, with its held-out figures."""
 
-    check: AnswerCheck
+    check: LearnedCheck
     auc: float | None  # on the held-out examples
     bar: Bar
     fitted_on: int
@@ -157,27 +252,37 @@ def split(examples: Sequence[Example], share: float) -> tuple[list[Example], lis
 
 
 def fit_candidate(examples: Sequence[Example], share: float, target: float, model_sha256: str,
-                  meta: Mapping[str, Any]) -> Candidate | None:
-    """A check fitted on `examples`' fit part, rated and given its bar on their held-out part;
-    None while either part lacks an agreeing or a disagreeing example."""
+                  meta: Mapping[str, Any], features: Sequence[str] = FEATURES) -> Candidate | None:
+    """A check over `features` (some of LEARNED_FEATURES) fitted on `examples`' fit part, rated and
+    given its bar on their held-out part; None while either part lacks an agreeing or a disagreeing
+    example. An input an example does not hold is fitted at the others' mean."""
     fit, held = split(examples, share)
     if len({e.agreed for e in fit}) < 2 or len({e.agreed for e in held}) < 2:
         return None
-    x = np.array([e.features for e in fit]).reshape(-1, len(FEATURES))
-    weights, bias, mean, scale = fit_logistic(x, np.array([float(e.agreed) for e in fit]))
-    check = AnswerCheck(weights, bias, mean, scale, {}, model_sha256, dict(meta))
+    weights, bias, mean, scale = fit_logistic(_filled(matrix(fit, features)), np.array([float(e.agreed) for e in fit]))
+    check = LearnedCheck(tuple(features), weights, bias, mean, scale, model_sha256, dict(meta))
     scores, labels = rate(check, held)
     return Candidate(check, auc(scores, labels), choose_bar(scores, labels, target), len(fit), len(held))
 
 
-def rate(check: AnswerCheck, examples: Sequence[Example]) -> tuple[list[float], list[bool]]:
-    """`check`'s confidence in each example (in order), and the examples' labels; `examples` hold
-    len(FEATURES) features each, in FEATURES' order (what `example_of` writes)."""
+def matrix(examples: Sequence[Example], features: Sequence[str]) -> np.ndarray:
+    """One row of `features`' values per example (NaN where an example does not hold one)."""
+    return np.array([e.inputs().vector(features) for e in examples]).reshape(-1, len(features))
+
+
+def _filled(x: np.ndarray) -> np.ndarray:
+    """`x` with each NaN replaced by its column's mean of known values (0 where none is known)."""
+    known = ~np.isnan(x)
+    means = np.where(known, x, 0.0).sum(axis=0) / np.maximum(known.sum(axis=0), 1)
+    return np.where(known, x, means)
+
+
+def rate(check: LearnedCheck, examples: Sequence[Example]) -> tuple[list[float], list[bool]]:
+    """`check`'s confidence in each example (in order), read with the check's own features, and the
+    examples' labels."""
     if not examples:
         return [], []
-    x = np.array([e.features for e in examples]).reshape(-1, len(FEATURES))
-    z = ((x - check.mean) / check.scale) @ check.weights + check.bias
-    return (1.0 / (1.0 + np.exp(-np.clip(z, -500, 500)))).tolist(), [e.agreed for e in examples]
+    return check.scores(matrix(examples, check.features)).tolist(), [e.agreed for e in examples]
 
 
 def promotes(candidate_auc: float | None, current_auc: float | None, fitted_on_more: bool = True) -> bool:

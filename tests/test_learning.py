@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -25,12 +26,16 @@ from gateway.settings import LearnSettings, RoutingSettings, TenantSettings
 from gateway.settings.shadow import OperatorShadowSettings
 from gateway.shadow.cases import LocalAnswer, ShadowCase
 from gateway.shadow.lanes import Lane
-from gateway.shadow.learning import LEARNED_CHECK, CheckLearner, PromotedState, example_of
+from gateway.shadow.learning import FITTED_FEATURES, LEARNED_CHECK, CheckLearner, PromotedState, example_of
 from gateway.shadow.service import Shadow
 from gateway.tenancy.budget import Ledger
 from policies.answer_check import FEATURES, AnswerCheck, AnswerStats
 from policies.online_check import (
+    AGREEMENT_FEATURES,
+    LEARNED_FEATURES,
+    AnswerInputs,
     Example,
+    LearnedCheck,
     auc,
     choose_bar,
     fit_candidate,
@@ -111,6 +116,75 @@ def test_a_check_fitted_on_the_fit_part_ranks_the_held_out_part():
 def test_a_fit_waits_for_both_labels():
     same = [Example(f"e{i}", tuple(stats(1.0).features()), True, {}) for i in range(200)]
     assert fit_candidate(same, 0.3, 0.8, SHA, {}) is None
+
+
+def context_examples(n: int, separates: str, seed: int = 0) -> list[Example]:
+    """Examples whose stats are noise and whose label is decided by one other input only: the
+    answer's format (a number agrees, free text does not) or its prompt's length (long prompts
+    disagree)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        agreed = rng.random() < 0.5
+        long_prompt = not agreed if separates == "prompt" else rng.random() < 0.5
+        numeric = agreed if separates == "format" else rng.random() < 0.5
+        text = "The answer is 42." if numeric else "I could not say."
+        local = LocalAnswer(stats(rng.uniform(0, 3), rng.randint(5, 60)), text, rng.randint(400, 900) if long_prompt
+                            else rng.randint(10, 60))
+        rows.append(example_of(local, agreed, "number", "t"))
+    return rows
+
+
+@pytest.mark.parametrize("separates", ["format", "prompt"])
+def test_a_learned_check_reads_the_answer_format_and_prompt_length_the_six_features_do_not(separates):
+    rows = context_examples(400, separates)
+    learned = fit_candidate(rows, 0.3, 0.8, SHA, {}, FITTED_FEATURES)
+    six = fit_candidate(rows, 0.3, 0.8, SHA, {})
+    assert learned.check.features == FITTED_FEATURES and six.check.features == FEATURES
+    assert learned.auc > 0.9 and six.auc < 0.75
+    agreeing = AnswerInputs.of(stats(1.5), "The answer is 42.", 30)
+    disagreeing = AnswerInputs.of(stats(1.5), "I could not say." if separates == "format" else "The answer is 42.",
+                                  30 if separates == "format" else 800)
+    assert learned.check.confidence(agreeing) > 0.8 > 0.2 > learned.check.confidence(disagreeing)
+
+
+def test_the_agreement_share_is_a_feature_with_its_own_indicator_where_no_samples_ran():
+    features = ("agreement", "has_agreement", "format_number", "format_text", "log_prompt_tokens")
+    assert AnswerInputs.of(stats(1.0), "The answer is 42.", 9, 0.75).vector(features).tolist() == \
+        [0.75, 1.0, 1.0, 0.0, math.log(10)]
+    unknown = AnswerInputs.of(stats(1.0), None, None, None).vector(features)
+    assert unknown[:2].tolist() == [0.0, 0.0] and np.isnan(unknown[2:]).all()
+    rng = random.Random(3)
+    rows = [example_of(LocalAnswer(stats(rng.uniform(0, 3)), "x", 10, share), share > 0.5, "number", "t")
+            for share in (rng.choice([0.0, 0.25, 0.75, 1.0]) for _ in range(300))]
+    learned = fit_candidate(rows, 0.3, 0.8, SHA, {}, LEARNED_FEATURES)
+    assert learned.auc > 0.9 and fit_candidate(rows, 0.3, 0.8, SHA, {}).auc < 0.75
+
+
+async def test_the_decoder_rates_a_live_answer_with_the_learned_checks_inputs():
+    from adapters.store import Limits
+    from gateway.decoding.decoder import DecodeRequest, Decoding
+    from gateway.decoding.values import RequestRouting
+    from gateway.settings.routing_values import AnswerReview
+    from gateway.shadow.learning import LiveCheck
+    from gateway.tenancy.budget import HandoffGate, Ledger
+    from policies import build_policy
+    from tests.fakes import FakeLocalModel, FakeUpstream
+
+    async def rated(answer: str) -> float:
+        live = LiveCheck()  # free text rated 0.2, a number 0.8: only the format can tell them apart
+        live.current = LearnedCheck(("format_number", "format_text"), np.array([math.log(4), -math.log(4)]), 0.0,
+                                    np.zeros(2), np.ones(2), SHA, {})
+        vocabulary = [answer, *sorted(set(answer + "It is 7."))]  # the fresh answer is tokenized too
+        routing = RequestRouting(build_policy("never"), review=AnswerReview(live, escalate_below=0.5, held=True))
+        request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=20, routing=routing)
+        run = Decoding(FakeLocalModel(vocabulary, answer), FakeUpstream("It is 7."),
+                       HandoffGate(Ledger(MemoryStore()), "t", Limits(), allowed=True), request)
+        [piece async for piece in run.pieces()]
+        assert run.usage.afresh == (run.usage.answer_confidence < 0.5)
+        return run.usage.answer_confidence
+
+    assert await rated("Paris is nice.") == 0.2 and await rated("It is 42.") == 0.8
 
 
 def test_promotion_needs_a_ranking_at_least_the_current_better_than_chance_and_a_tie_more_examples():
@@ -344,6 +418,25 @@ async def test_a_check_that_does_not_load_is_none_and_the_next_promotion_replace
     await feed(one, store, synthetic(200))
     await one.refit(store)
     assert one.version == 1 and PromotedState.of(await store.learned_read(one.key)).version == 1
+
+
+async def test_a_state_fitted_on_the_six_features_by_an_older_version_loads_and_rates_with_them():
+    store, one = MemoryStore(), learner()
+    # it ranks backwards (high entropy rated up): any fit on the synthetic examples beats it
+    weights, mean, scale = np.array([0.0, 1.0, -0.5, 0.0, 0.2, -0.3]), np.full(6, 0.5), np.full(6, 2.0)
+    older = AnswerCheck(weights, 0.4, mean, scale, {}, SHA, {"source": "an older gateway"})
+    await feed(one, store, synthetic(200))  # before its promotion: its next fit reads them
+    state = PromotedState(version=3, check=older.to_json(), auc=0.8, bar=BAR, fitted_on=100, promoted_at=200)
+    assert await store.learned_swap(one.key, state.text(), None)
+    await one.sync(store)
+    assert one.version == 3 and one.live.current.features == FEATURES
+    for s in (stats(0.2), stats(2.8, 200)):  # read with its own six features, whatever else is known
+        rated = one.live.confidence(AnswerInputs.of(s, "The answer is 42.", 500, 0.25))
+        assert rated == pytest.approx(older.confidence(s), abs=1e-12) and rated == one.live.confidence(s)
+    await one.refit(store)  # its successor records the features it was fitted on
+    promoted = PromotedState.of(await store.learned_read(one.key))
+    assert promoted.version == 4 and promoted.check["features"] == list(FITTED_FEATURES)
+    assert one.live.current.features == FITTED_FEATURES and AGREEMENT_FEATURES[0] not in FITTED_FEATURES
 
 
 async def test_the_refresher_outlives_a_record_it_cannot_read_and_reads_the_next(caplog):

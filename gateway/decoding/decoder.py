@@ -73,7 +73,8 @@ class Decoding:
         check = routing.review.answer_check
         self._samples = AgreementSamples(request, check, self._sampled) if isinstance(check, AgreementCheck) else None
         held = routing.review.held and (check is not None or self._escalation.escalates_afresh)
-        self._review = Review(request, upstream, self.calls, self.usage, self.answer, self._samples, held)
+        self._review = Review(request, upstream, self.calls, self.usage, self.answer, self._samples, held,
+                              len(self.prompt_tokens))
         self._routed: Guess | None = None  # a guessed step the policy routed: the next step, decided already
 
     # the answer, as the API, the evaluation and the metrics read it

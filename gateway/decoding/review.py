@@ -13,6 +13,8 @@ upstream finished by escalating is neither rated nor asked afresh again.
 
 from __future__ import annotations
 
+from typing import Any
+
 from adapters.upstream import Continuations
 from gateway.decoding.agreement_samples import AgreementSamples
 from gateway.decoding.answer import Answer
@@ -21,16 +23,19 @@ from gateway.decoding.values import LOCAL, DecodeRequest, Piece, RoutingUsage
 from policies import Signal
 from policies.agreement import AgreementCheck
 from policies.answer_check import AnswerStats
+from policies.online_check import AnswerInputs
 
 
 class Review:
     """One answer's pieces on their way out, and its rating (in `usage`); `held`: shown only once
-    finished (and rated). `samples`: an agreement check's, None for any other check."""
+    finished (and rated). `samples`: an agreement check's, None for any other check. `prompt_tokens`:
+    the prompt's length, which a learned check reads."""
 
     def __init__(self, request: DecodeRequest, upstream: Continuations | None, calls: HandoffCalls,
-                 usage: RoutingUsage, answer: Answer, samples: AgreementSamples | None, held: bool) -> None:
+                 usage: RoutingUsage, answer: Answer, samples: AgreementSamples | None, held: bool,
+                 prompt_tokens: int) -> None:
         self._request, self._upstream, self._calls, self._usage = request, upstream, calls, usage
-        self._answer, self._samples = answer, samples
+        self._answer, self._samples, self._prompt_tokens = answer, samples, prompt_tokens
         self._check = request.routing.review.answer_check
         self._held: list[Piece] | None = [] if held else None
         self._signals: list[Signal] = []  # what the check rates
@@ -89,7 +94,8 @@ class Review:
         may be asked."""
         check, usage = self._check, self._usage
         stats = AnswerStats.of(self._signals, len(self._answer.tokens), self._answer.finish_reason)
-        confidence = await self._agreement(check) if isinstance(check, AgreementCheck) else check.confidence(stats)
+        agreement = isinstance(check, AgreementCheck)
+        confidence = await self._agreement(check) if agreement else self._confidence(check, stats)
         self.rated = (stats, bytes(self._answer.data).decode("utf-8", "replace"))
         usage.answer_confidence = round(confidence, 4)
         below = self._request.routing.review.escalate_below
@@ -99,6 +105,14 @@ class Review:
             usage.degrade("upstream_unavailable")
             return False
         return True
+
+    def _confidence(self, check: Any, stats: AnswerStats) -> float:
+        """A fitted file's check reads the answer's stats; a learned one (it `reads_inputs`:
+        gateway/shadow/learning.py) also its format, the prompt's length and any agreement share."""
+        if not getattr(check, "reads_inputs", False):
+            return check.confidence(stats)
+        text = bytes(self._answer.data).decode("utf-8", "replace")
+        return check.confidence(AnswerInputs.of(stats, text, self._prompt_tokens, self._usage.agreement))
 
     async def _agreement(self, check: AgreementCheck) -> float:
         """The share of the samples that agree with the answer kept: the greedy one, or the majority's

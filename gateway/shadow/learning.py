@@ -36,14 +36,32 @@ from adapters.model_files import model_sha256
 from adapters.store import Store, StoreUnavailable
 from gateway.settings import AgreementSettings, LearnSettings, RoutingSettings
 from gateway.shadow.cases import LocalAnswer, ShadowCase
-from policies.answer_check import AnswerCheck, AnswerStats
-from policies.online_check import Bar, Example, auc, choose_bar, fit_candidate, promotes, rate, split
+from policies.agreement import answer_format
+from policies.answer_check import AnswerStats
+from policies.online_check import (
+    AGREEMENT_FEATURES,
+    LEARNED_FEATURES,
+    AnswerInputs,
+    Bar,
+    Example,
+    LearnedCheck,
+    auc,
+    choose_bar,
+    fit_candidate,
+    promotes,
+    rate,
+    split,
+)
 
 log = logging.getLogger("gateway.shadow")
 
 LEARNED_CHECK = "learned"  # routing.answer_check while the learned check rates answers (no file: the live one)
 COLD_AGREEMENT = {"answer_check": AgreementSettings(kind="agreement", samples=4), "escalate_below": 0.75}
 HISTORY = 20  # fits whose figures the promoted state keeps
+# What a fit reads: the learned check routes with no samples beside it (`routing_of` replaces the
+# answer check), so no answer it rates has an agreement share; one learned from the agreement cold
+# start's shares would be rated on a signal it never sees.
+FITTED_FEATURES = tuple(name for name in LEARNED_FEATURES if name not in AGREEMENT_FEATURES)
 
 
 class LiveCheck:
@@ -51,14 +69,16 @@ class LiveCheck:
     every answer 0 (with escalate_below 1: every held answer is asked afresh)."""
 
     at_tokens = None  # rated when the answer ends
+    reads_inputs = True  # the decoder hands it AnswerInputs (gateway/decoding/review.py)
 
     def __init__(self) -> None:
-        self.current: AnswerCheck | None = None
+        self.current: LearnedCheck | None = None
 
-    def confidence(self, stats: AnswerStats) -> float:
-        """The promoted check's confidence that the answer of `stats` agrees with upstream-only's
-        (0 with none: the cold start asks it afresh). Never raises; called on the decoding path."""
-        return 0.0 if self.current is None else self.current.confidence(stats)
+    def confidence(self, answer: AnswerStats | AnswerInputs) -> float:
+        """The promoted check's confidence that `answer` agrees with upstream-only's, read with the
+        features it was fitted on (0 with none: the cold start asks it afresh). Never raises;
+        called on the decoding path."""
+        return 0.0 if self.current is None else self.current.confidence(answer)
 
 
 class BarFigures(BaseModel):
@@ -81,7 +101,7 @@ class PromotedState(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     version: int = 0
-    check: dict[str, Any] | None = None
+    check: dict[str, Any] | None = None  # LearnedCheck.to_json(): its "features" name what it was fitted on
     auc: float | None = None  # held-out ranking when last measured
     bar: BarFigures | None = None
     fitted_on: int = 0  # examples the check was fitted on (a tie promotes only a check fitted on more)
@@ -184,7 +204,7 @@ class CheckLearner:
         check = None
         if state.check is not None:
             try:
-                check = AnswerCheck.of_json(state.check, f"learned check {self.key}", self.model_sha256)
+                check = LearnedCheck.of_json(state.check, f"learned check {self.key}", self.model_sha256)
             except (ValueError, TypeError, KeyError) as exc:  # RouterError is a ValueError
                 log.warning("learned check %s in the store does not load here, treated as none: %s", self.key, exc)
                 state = PromotedState()
@@ -211,7 +231,7 @@ class CheckLearner:
         meta = {"source": f"learned online from alias {self.alias}'s shadow samples", "examples": total}
         # up to `keep` rows and 30 Newton steps: off the event loop
         candidate = await asyncio.to_thread(fit_candidate, usable, self.settings.held_out, self.target,
-                                            self.model_sha256, meta)
+                                            self.model_sha256, meta, FITTED_FEATURES)
         if candidate is None:
             return
         _, held = split(usable, self.settings.held_out)
@@ -285,8 +305,10 @@ def learning_key(alias: str, model_sha256: str) -> str:
 
 def example_of(local: LocalAnswer, agreed: bool, fmt: str, tenant: str) -> Example:
     """The example of one shadow sample: the local answer's features, whether it agreed, and
-    lengths, agreement share and format beside them (never text)."""
-    extra = {"tenant": tenant, "format": fmt, "agreement": local.agreement, "prompt_tokens": local.prompt_tokens,
+    lengths, agreement share, the format it was compared in (`fmt`) and its own (`answer_format`, as
+    the learned check reads it where it rates) beside them (never text)."""
+    extra = {"tenant": tenant, "format": fmt, "answer_format": answer_format(local.text),
+             "agreement": local.agreement, "prompt_tokens": local.prompt_tokens,
              "answer_tokens": local.stats.answer_tokens, "answer_chars": len(local.text), "t": round(time.time(), 3)}
     return Example(uuid.uuid4().hex, tuple(float(v) for v in local.stats.features()), agreed, extra)
 
