@@ -174,15 +174,15 @@ class Runtime:
                         flash_attn=local.flash_attn, steering=checked.steerings.get(name))
                 models[name] = self.models_by_settings[key]
         except BaseException:
-            self._unload(fresh.values())
+            await self._unload(fresh.values())
             raise
         return models, fresh
 
-    def _unload(self, models: Iterable[LocalModel]) -> None:
+    async def _unload(self, models: Iterable[LocalModel]) -> None:
         """Free `models`: loaded for a configuration that is not served, or dropped by one."""
         for model in list(models):
             self.models_by_settings = {key: kept for key, kept in self.models_by_settings.items() if kept is not model}
-            model.close()
+            await asyncio.to_thread(model.close)  # frees the weights: tens of milliseconds and more
 
     def _aliases(self, checked: CheckedSettings, local_models: Mapping[str, LocalModel],
                  upstreams: Mapping[str, Upstream]) -> dict[str, Alias]:
@@ -236,7 +236,7 @@ class Runtime:
             aliases = self._aliases(checked, local_models, upstreams)
             shadow = await asyncio.to_thread(self._shadow_of, settings, aliases)
         except BaseException:
-            self._unload(fresh.values())
+            await self._unload(fresh.values())
             raise
         self._serve(settings, local_models, upstreams, aliases, shadow)
         return notes + [f"models.local.{name}: loaded" for name in fresh] + checked.notes + checked.warnings
@@ -303,7 +303,7 @@ class Runtime:
             await asyncio.sleep(RETIRE_POLL_S)
         if any(served is model for served in self.local_models.values()):
             return  # a later reload named its settings again: it serves on
-        self._unload([model])
+        await self._unload([model])
 
     def routing_of(self, alias: Alias) -> RoutingSettings:
         """The alias's routing as a request starts from it: its quality target's knob, if any, at the

@@ -144,6 +144,13 @@ def test_the_ratio_decides_for_a_clients_trace_unless_told_to_follow_the_client(
     assert result.decision.is_sampled() is kept
 
 
+def test_a_client_cannot_choose_a_trace_id_the_ratio_keeps():
+    decide = sampler(TracingSettings(sample_ratio=0.01))
+    kept = sum(decide.should_sample(remote_parent(True), 1, "POST /v1/chat/completions").decision.is_sampled()
+               for _ in range(1000))  # trace id 1: what a ratio by trace id keeps every time
+    assert kept < 50
+
+
 # -- hand-offs and escalations (the decoder's hooks) --
 
 async def test_each_hand_off_and_the_escalation_has_a_span():

@@ -13,10 +13,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Body, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
+from gateway.api.chat_completions import parse_body
 from gateway.api.playground import HEADERS
 from gateway.api.routes import require_admin, runtime_of
 from gateway.config_checks import check_routing
@@ -27,8 +28,14 @@ from gateway.tenancy.records import KEY_FIELDS, KeyRecord
 from gateway.wire.errors import InvalidRequest, quoted
 
 PAGE = Path(__file__).with_name("static") / "admin.html"
-api = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])  # checked before a body is read
+# The admin key is checked before anything else; bodies are read after it, within the server's limits
+# (parse_body), never by FastAPI before the dependency runs.
+api = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 router = APIRouter()
+
+
+class JsonObject(RootModel[dict[str, Any]]):
+    """A body that must be a JSON object (a tenant's settings, or a merge patch of them)."""
 
 
 class KeyRequest(BaseModel):
@@ -97,9 +104,9 @@ async def list_tenants(request: Request):
 
 
 @api.post("/tenants", status_code=201)
-async def create_tenant(request: Request, body: dict[str, Any] = Body(...)):
+async def create_tenant(request: Request):
     """A new tenant from its settings (as in config.yaml, less the key fields), with no key yet."""
-    settings = await changes_of(request).create_tenant(body)
+    settings = await changes_of(request).create_tenant((await parse_body(request, JsonObject)).root)
     return tenant_view(settings, [])
 
 
@@ -110,11 +117,11 @@ async def read_tenant(tenant_id: str, request: Request):
 
 
 @api.patch("/tenants/{tenant_id}")
-async def update_tenant(tenant_id: str, request: Request, body: dict[str, Any] = Body(...)):
+async def update_tenant(tenant_id: str, request: Request):
     """Change a tenant's budgets, rate limits, routing, allowed aliases...: a JSON Merge Patch
     (RFC 7386) of its settings, so `{"daily": {"upstream_tokens": 5000}}` changes that one value."""
     changes = changes_of(request)
-    await changes.update_tenant(tenant_id, body)
+    await changes.update_tenant(tenant_id, (await parse_body(request, JsonObject)).root)
     return tenant_view(*await changes.tenant(tenant_id))
 
 
@@ -126,9 +133,9 @@ async def list_keys(tenant_id: str, request: Request):
 
 
 @api.post("/tenants/{tenant_id}/keys", status_code=201)
-async def issue_key(tenant_id: str, body: KeyRequest, request: Request):
+async def issue_key(tenant_id: str, request: Request):
     """A new key for the tenant; the response holds the key itself, shown this once."""
-    runtime = runtime_of(request)
+    runtime, body = runtime_of(request), await parse_body(request, KeyRequest)
     for index, alias in enumerate(body.scopes or []):
         if alias not in runtime.aliases:
             raise InvalidRequest(f"no alias '{quoted(alias)}'", param=f"scopes[{index}]")

@@ -6,12 +6,15 @@ tracing never needs."""
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import Decision, ParentBased, Sampler, SamplingResult, TraceIdRatioBased
 
 from adapters.trace_context import propagate_to_upstreams
 from gateway.logs import request_id_var
@@ -45,7 +48,25 @@ def sampler(settings: TracingSettings) -> Sampler:
     ratio = TraceIdRatioBased(settings.sample_ratio)
     if settings.follow_client_sampling:
         return ParentBased(ratio)
-    return ParentBased(ratio, remote_parent_sampled=ratio, remote_parent_not_sampled=ratio)
+    drawn = DrawnRatio(settings.sample_ratio)  # a client chooses its trace id: by id it could pick to be kept
+    return ParentBased(ratio, remote_parent_sampled=drawn, remote_parent_not_sampled=drawn)
+
+
+class DrawnRatio(Sampler):
+    """Keeps `ratio` of traces by a random draw, whatever their trace id."""
+
+    def __init__(self, ratio: float) -> None:
+        self._ratio = ratio
+
+    def should_sample(self, parent_context: Context | None, trace_id: int, name: str, kind: Any = None,
+                      attributes: Any = None, links: Any = None, trace_state: Any = None) -> SamplingResult:
+        kept = random.random() < self._ratio
+        parent = trace.get_current_span(parent_context).get_span_context()
+        return SamplingResult(Decision.RECORD_AND_SAMPLE if kept else Decision.DROP, attributes if kept else None,
+                              parent.trace_state)
+
+    def get_description(self) -> str:
+        return f"DrawnRatio{{{self._ratio}}}"
 
 
 def start_tracing(settings: TracingSettings) -> TracerProvider | None:
