@@ -29,6 +29,7 @@ from gateway.tenancy.records import (
     tenant_from_dict,
     tenant_from_json,
     tenant_json,
+    unreadable,
 )
 from gateway.tenancy.tenants import ADMIN_ACTOR, TenantDirectory
 from gateway.wire.errors import GatewayError, InvalidRequest, param_of, quoted
@@ -112,7 +113,7 @@ class DirectoryChanges:
             try:
                 keys[key_id] = KeyRecord.model_validate_json(text)
             except ValidationError as exc:  # written by another version of the gateway
-                log.warning("key %s in the Store is not valid here, left out: %s", key_id, exc)
+                log.warning("key %s in the Store is not valid here, left out: %s", key_id, unreadable(exc))
         return records.tenants, keys
 
     async def tenants(self) -> list[tuple[TenantSettings, list[KeyRecord]]]:
@@ -123,7 +124,7 @@ class DirectoryChanges:
             try:
                 listed.append((tenant_from_json(text), [k for k in keys.values() if k.tenant == tenant_id]))
             except (ValidationError, ValueError) as exc:
-                log.warning("tenant %s in the Store is not valid here, left out: %s", tenant_id, exc)
+                log.warning("tenant %s in the Store is not valid here, left out: %s", tenant_id, unreadable(exc))
         return listed
 
     async def tenant(self, tenant_id: str) -> tuple[TenantSettings, list[KeyRecord]]:

@@ -9,7 +9,7 @@ import secrets
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.settings import STORED_TENANT, TenantSettings
 
@@ -74,3 +74,11 @@ def tenant_from_dict(data: dict[str, Any]) -> TenantSettings:
 def audit_entry(actor: str, action: str, **what: Any) -> str:
     """One audit log entry: who, when (Unix time), what. Callers never pass a key or its digest."""
     return json.dumps({"at": round(time.time(), 3), "actor": actor, "action": action, **what}, sort_keys=True)
+
+
+def unreadable(exc: Exception) -> str:
+    """Why a stored record could not be read, for the log: the fields and error kinds only, never
+    the values (a key record holds its digest)."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, error['loc'])) or 'record'}: {error['type']}" for error in exc.errors())
+    return type(exc).__name__

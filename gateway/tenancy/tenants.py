@@ -33,7 +33,7 @@ from adapters.store import (
     StoreUnavailable,
 )
 from gateway.settings import SettingsError, TenantSettings
-from gateway.tenancy.records import KeyRecord, audit_entry, key_digest, tenant_from_json, tenant_json
+from gateway.tenancy.records import KeyRecord, audit_entry, key_digest, tenant_from_json, tenant_json, unreadable
 
 __all__ = ["ADMIN_ACTOR", "REFRESH_S", "Tenant", "TenantDirectory"]
 log = logging.getLogger("gateway.tenancy")
@@ -170,7 +170,7 @@ def _snapshot_of(records: DirectoryRecords) -> _Snapshot:
         try:
             tenants[tenant_id] = Tenant(tenant_id, tenant_from_json(text))
         except (ValidationError, ValueError) as exc:  # written by another version of the gateway
-            log.warning("tenant %s in the Store is not valid here, skipped: %s", tenant_id, exc)
+            log.warning("tenant %s in the Store is not valid here, skipped: %s", tenant_id, unreadable(exc))
     keys = {}
     for text in records.keys.values():
         try:
