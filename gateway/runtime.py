@@ -272,6 +272,7 @@ class Runtime:
         named = {id(model) for model in local_models.values()}
         dropped = {id(model): model for model in self.local_models.values() if id(model) not in named}.values()
         self.settings, self.local_models, self.upstreams, self.aliases = settings, local_models, upstreams, aliases
+        self.background = [task for task in self.background if not task.done()]  # ended ones hold old services
         self._restart_shadow(shadow)
         self.background.extend(asyncio.create_task(self._retire(model)) for model in dropped)
 

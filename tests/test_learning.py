@@ -408,6 +408,14 @@ def test_a_state_record_this_gateway_cannot_read_is_refused_as_none(caplog):
         caplog.clear()
 
 
+async def test_an_example_this_gateway_cannot_read_is_left_out_and_learning_goes_on():
+    store, one = MemoryStore(), learner()
+    await store.examples_add(one.key, '{"written_by": "another version"}', "t", None, 1000)
+    await feed(one, store, synthetic(200))
+    await one.refit(store)
+    assert one.version == 1
+
+
 async def test_a_check_that_does_not_load_is_none_and_the_next_promotion_replaces_it(caplog):
     store, one = MemoryStore(), learner()
     bad = PromotedState(version=4, check={"format": "not a check"}, bar=BAR).text()

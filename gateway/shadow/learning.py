@@ -184,7 +184,7 @@ class CheckLearner:
         kept, total = await store.examples_read(self.key)
         self._install(await store.learned_read(self.key))
         self.examples = total
-        examples = [(total - len(kept) + i, Example.of_json(json.loads(text))) for i, text in enumerate(kept)]
+        examples = readable_examples(kept, total)
         usable = [e for index, e in examples if index >= self.state.since]
         if self.live.current is not None and await self._decayed(store, examples, total):
             return
@@ -296,6 +296,18 @@ async def keep_learning(learner: CheckLearner, store: Store, calls: Counter[str]
             continue
         except Exception:  # noqa: BLE001 - one bad pass must not stop learning
             log.exception("learning pass of alias %s failed", learner.alias)
+
+
+def readable_examples(kept: Sequence[str], total: int) -> list[tuple[int, Example]]:
+    """The stored examples (`kept`, the newest of `total` ever added) with their index in the
+    stream; one this gateway cannot read (another version's) is left out."""
+    examples = []
+    for offset, text in enumerate(kept):
+        try:
+            examples.append((total - len(kept) + offset, Example.of_json(json.loads(text))))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return examples
 
 
 def learning_key(alias: str, model_sha256: str) -> str:
