@@ -6,7 +6,9 @@ too; its names are importable from here as before.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import redis
 
 from adapters.model_files import resolve_model
 from bench.support import (  # noqa: F401  (re-exported: tests import them from here)
@@ -32,6 +35,24 @@ from bench.support import (  # noqa: F401  (re-exported: tests import them from 
 )
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
+
+
+@contextlib.contextmanager
+def private_redis(port: int, *options: str) -> Iterator[subprocess.Popen]:
+    """A redis-server of the test's own on `port` (`options`: more of its flags; by default it keeps
+    nothing on disk), answering before the block starts and stopped after it."""
+    process = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+                                "--save", "", *(options or ("--appendonly", "no"))], stdout=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_timeout=0.5)
+    for _ in range(100):
+        with contextlib.suppress(redis.ConnectionError):
+            if client.ping():
+                break
+        time.sleep(0.05)
+    try:
+        yield process
+    finally:
+        stop(process)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -191,3 +196,29 @@ def synthetic(n: int, seed: int) -> list[dict]:
                         "margin": (top1 * 0.8).round(4).tolist(), "kind": kinds.tolist(),
                         "top": [[t, t * 0.2, t * 0.1, t * 0.05] for t in top1.round(4)]})
     return records
+
+
+class JsonProvider(BaseHTTPRequestHandler):
+    """A provider test server's base: answers are JSON, requests are not logged."""
+
+    def send_json(self, answer: dict[str, Any]) -> None:
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """Serve `handler` on a free loopback port; yields its OpenAI base URL (a fixture's body)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()

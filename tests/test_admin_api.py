@@ -8,11 +8,8 @@ tests/test_admin_page.py's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import shutil
-import subprocess
 import time
 import uuid
 from types import SimpleNamespace
@@ -32,7 +29,7 @@ from gateway.tenancy.budget import Ledger
 from gateway.tenancy.changes import DirectoryChanges
 from gateway.tenancy.records import key_digest
 from gateway.tenancy.tenants import TenantDirectory
-from tests.conftest import ADMIN_KEY, DEMO_KEY, free_port, gateway_config, stop
+from tests.conftest import ADMIN_KEY, DEMO_KEY, free_port, gateway_config, private_redis, stop
 
 ENV = {"TEST_DEMO_KEY": DEMO_KEY, "TEST_ADMIN_KEY": ADMIN_KEY}
 UPSTREAM = "http://127.0.0.1:9"  # never called: the aliases "local" and "routed" exist, no model answers
@@ -233,22 +230,9 @@ def test_a_write_whose_expectation_fails_writes_nothing(redis_url):
 
 # -- Redis down during a key change --
 
-@contextlib.contextmanager
 def durable_redis(port: int, directory):
     """A Redis of this test's own that writes every command to disk, so a restart shows what it held."""
-    process = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                "--appendonly", "yes", "--appendfsync", "always", "--dir", str(directory)],
-                               stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_timeout=0.5)
-    for _ in range(100):
-        with contextlib.suppress(redis.ConnectionError):
-            if client.ping():
-                break
-        time.sleep(0.05)
-    try:
-        yield process
-    finally:
-        stop(process)
+    return private_redis(port, "--appendonly", "yes", "--appendfsync", "always", "--dir", str(directory))
 
 
 def test_redis_down_during_a_key_change_is_a_503_and_nothing_is_half_written(tmp_path):
@@ -460,23 +444,6 @@ def test_a_seeded_key_changed_in_the_environment_is_named_at_start_up(caplog):
 
 # -- Redis's eviction policy --
 
-@contextlib.contextmanager
-def redis_server(port: int, directory, *options: str):
-    """A Redis of this test's own (`options`: redis-server's), stopped at the end."""
-    process = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                "--dir", str(directory), *options], stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_timeout=0.5)
-    for _ in range(100):
-        with contextlib.suppress(redis.ConnectionError):
-            if client.ping():
-                break
-        time.sleep(0.05)
-    try:
-        yield process
-    finally:
-        stop(process)
-
-
 @pytest.mark.parametrize(("policy", "warned"), [("allkeys-lru", True), ("volatile-lru", False), ("noeviction", False)])
 def test_a_redis_that_may_evict_the_directory_is_named_once(tmp_path, caplog, policy, warned):
     port = free_port()
@@ -489,7 +456,7 @@ def test_a_redis_that_may_evict_the_directory_is_named_once(tmp_path, caplog, po
         finally:
             await store.close()
 
-    with redis_server(port, tmp_path, "--maxmemory-policy", policy), caplog.at_level(logging.WARNING):
+    with private_redis(port, "--dir", str(tmp_path), "--maxmemory-policy", policy), caplog.at_level(logging.WARNING):
         asyncio.run(run())
     named = [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
     assert len(named) == (1 if warned else 0)

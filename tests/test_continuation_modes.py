@@ -5,21 +5,20 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from gateway.runtime import make_upstream
 from gateway.settings import UpstreamSettings
 from tests.conftest import SMOL
+from tests.fakes import JsonProvider, serve
 
 QUESTION = [{"role": "user", "content": "Who is at the desk?"}]
 WHOLE = "The computer user, working late, typed:\n1. Save the file (B. backup) to NASA; see os.path.join."
 
 
-class Provider(BaseHTTPRequestHandler):
+class Provider(JsonProvider):
     """A chat-completions provider that knows the whole answer (`WHOLE`) and, asked to continue a
     partial one (the last assistant message), answers up to `max_tokens` words of the rest the way
     a chat model does: as a message of its own, which starts without a space; or, with `echo`, the
@@ -44,15 +43,7 @@ class Provider(BaseHTTPRequestHandler):
                  "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                               "finish_reason": "stop" if finished else "length"}],
                  "usage": {"prompt_tokens": 10, "completion_tokens": words, "total_tokens": 10 + words}}
-        data = json.dumps(reply).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args) -> None:
-        pass
+        self.send_json(reply)
 
 
 class Echoing(Provider):
@@ -71,17 +62,6 @@ class Restarting(Provider):
 
     def content(self, partial: str, rest: str, max_tokens: int) -> str:
         return "".join(re.findall(r"\s*\S+", WHOLE)[:max_tokens])
-
-
-def serve(handler: type[Provider]) -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture(scope="module")

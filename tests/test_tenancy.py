@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import shutil
-import subprocess
 import time
 import uuid
 from collections import Counter
@@ -13,9 +10,8 @@ from collections import Counter
 import httpx
 import openai
 import pytest
-import redis
 
-from tests.conftest import ADMIN_KEY, DEMO_KEY, free_port, gateway_config, live_gateway, stop
+from tests.conftest import ADMIN_KEY, DEMO_KEY, free_port, gateway_config, live_gateway, private_redis, stop
 
 pytestmark = pytest.mark.integration
 
@@ -25,22 +21,6 @@ BUDGET = 1500
 
 def redis_store(url: str) -> dict:
     return {"backend": "redis", "url": url, "key_prefix": f"test-{uuid.uuid4().hex[:8]}", "timeout_s": 1.0}
-
-
-@contextlib.contextmanager
-def private_redis(port: int):
-    process = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
-                                "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_timeout=0.5)
-    for _ in range(100):
-        with contextlib.suppress(redis.ConnectionError):
-            if client.ping():
-                break
-        time.sleep(0.05)
-    try:
-        yield process
-    finally:
-        stop(process)
 
 
 async def ask_async(client: openai.AsyncOpenAI, **kw):

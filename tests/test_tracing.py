@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
@@ -29,7 +26,7 @@ from gateway.runtime import Runtime, make_upstream
 from gateway.settings import Settings, UpstreamSettings
 from gateway.settings.tracing import TracingSettings
 from tests.conftest import ADMIN_KEY, DEMO_KEY, SMOL, free_port, gateway_config
-from tests.fakes import FakeLocalModel, FakeUpstream
+from tests.fakes import FakeLocalModel, FakeUpstream, JsonProvider, serve
 from gateway.traced import request_trace
 from tests.test_decoder import VOCAB, ceiling, make, run
 from tests.test_shadow import SHADOWED, case, make_shadow
@@ -174,7 +171,7 @@ async def test_a_hand_off_decoded_locally_says_so():
 
 # -- upstream calls over HTTP --
 
-class Provider(BaseHTTPRequestHandler):
+class Provider(JsonProvider):
     """A completions provider that answers "Paris" and keeps each request's `traceparent`."""
 
     traceparents: list[str | None] = []
@@ -192,26 +189,12 @@ class Provider(BaseHTTPRequestHandler):
         else:
             answer = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "x", "usage": usage,
                       "choices": [{"index": 0, "text": " Paris", "finish_reason": "length"}]}
-        data = json.dumps(answer).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args) -> None:
-        pass
+        self.send_json(answer)
 
 
 @pytest.fixture(scope="module")
 def provider_base() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Provider)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
+    yield from serve(Provider)
 
 
 def metered(api_base: str, retries: int = 0) -> MeteredUpstream:
