@@ -62,11 +62,12 @@ def stop(process: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def upstream_server(gguf: Path, alias: str, server: str = "llama-cpp-python",
-                    extra_args: tuple[str, ...] = ()) -> Iterator[str]:
+                    extra_args: tuple[str, ...] = (), n_threads: int = 1, n_ctx: int = 2048) -> Iterator[str]:
     """A real OpenAI-compatible server process on loopback (llama-cpp-python's or llama.cpp's
     llama-server, started as the gateway starts them); yields its /v1 base URL."""
     port = free_port()
-    launch = LaunchSettings(gguf=str(gguf), server=server, n_threads=1, n_ctx=2048, extra_args=list(extra_args))
+    launch = LaunchSettings(gguf=str(gguf), server=server, n_threads=n_threads, n_ctx=n_ctx,
+                            extra_args=list(extra_args))
     process = subprocess.Popen(server_command(gguf, launch, port, alias),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
