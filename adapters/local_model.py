@@ -1,7 +1,11 @@
 """The local llama.cpp model: its vocabulary and chat template, and the batched engine that decodes.
 
 Tokenizing and detokenizing read only the vocabulary and are safe on any thread (a long prompt
-takes a second: tokenize it off the event loop). Decoding goes
+takes a second: tokenize it off the event loop). Each such call, and each check of a grammar the
+model handed out, counts as a call in flight on the model, on whichever thread makes it, and
+`close` frees the model only once none is left: a request cancelled while its worker thread still
+tokenizes gives its hold back at once (gateway/runtime.py), but its thread runs the call to its
+end, on a model a reload may have dropped meanwhile. Decoding goes
 through the engine (adapters/engine.py): each request takes a sequence of its own with
 `sequence(prompt)`, and `Sequence.forward(tokens)` makes that sequence hold exactly `tokens` and
 returns the next-token logits, re-using the longest common prefix already in the KV cache; that
@@ -13,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import llama_cpp
+import numpy as np
 from llama_cpp import Llama
 
 from adapters.chat_template import ChatTemplate
@@ -25,7 +31,7 @@ from adapters.slot_queue import Claim, QueueFull
 from adapters.steering import Steering, SteeringError
 from adapters.vocabulary import tokenize_parts
 
-__all__ = ["Claim", "ContextOverflow", "LocalModel", "LocalModelError", "QueueFull", "system_info"]
+__all__ = ["Claim", "ContextOverflow", "LocalModel", "LocalModelError", "ModelGrammar", "QueueFull", "system_info"]
 GRAMMARS_KEPT = 8  # parsed grammars kept for cloning (each holds a vocabulary-sized array)
 
 
@@ -36,6 +42,62 @@ class LocalModelError(Exception):
 def system_info() -> str:
     """llama.cpp's own report of the CPU features it was built with and uses."""
     return llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+
+
+class CallsInFlight:
+    """The calls running on a model's weights or vocabulary, on any thread, until it is closed."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._running = 0
+        self._closed = False
+
+    @contextlib.contextmanager
+    def counted(self) -> Iterator[None]:
+        """Count the block as a call on the model; raises LocalModelError once `close` has begun."""
+        with self._changed:
+            if self._closed:
+                raise LocalModelError("the local model is freed (a reload dropped it, or the gateway stops)")
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._running -= 1
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        """Refuse new calls and wait until none is running. Blocking: call it off the event loop."""
+        with self._changed:
+            self._closed = True
+            self._changed.wait_for(lambda: self._running == 0)
+
+
+class ModelGrammar:
+    """One answer's grammar state (adapters.grammar.Grammar) as its model hands it out: its checks
+    read the model's vocabulary, so each is counted as a call on the model."""
+
+    def __init__(self, grammar: Grammar, calls: CallsInFlight) -> None:
+        self._grammar, self._calls = grammar, calls
+
+    def allows(self, answer: list[int], token: int) -> bool:
+        """See Grammar.allows."""
+        with self._calls.counted():
+            return self._grammar.allows(answer, token)
+
+    def mask(self, answer: list[int], logits: np.ndarray) -> np.ndarray:
+        """See Grammar.mask (blocking: milliseconds)."""
+        with self._calls.counted():
+            return self._grammar.mask(answer, logits)
+
+    def accepted(self, answer: list[int], tokens: list[int]) -> int:
+        """See Grammar.accepted."""
+        with self._calls.counted():
+            return self._grammar.accepted(answer, tokens)
+
+    def close(self) -> None:
+        """Free the parse state; it reads no vocabulary, so this is safe after the model is freed."""
+        self._grammar.close()
 
 
 class LocalModel:
@@ -56,6 +118,7 @@ class LocalModel:
         self._vocab = vocab
         self._grammars: dict[str, Grammar] = {}  # parsed once, cloned per answer; most recent last
         self._grammars_lock = threading.Lock()
+        self._calls = CallsInFlight()
 
     @classmethod
     async def load(cls, path: Path, n_ctx: int, n_threads: int, n_batch: int, queue_limit: int,
@@ -84,6 +147,9 @@ class LocalModel:
             raise LocalModelError(f"cannot load model {path}: {exc}") from exc
 
     def close(self) -> None:
+        """Free the engine and the weights once no call on them is in flight (on any thread; later
+        calls raise LocalModelError). Blocking: call it off the event loop."""
+        self._calls.close()
         self.engine.close()
         self._llm.close()
 
@@ -111,29 +177,35 @@ class LocalModel:
 
     def tokenize_prompt(self, parts: list[tuple[str, bool]]) -> list[int]:
         """Tokens of a rendered prompt (see `tokenize_parts`)."""
-        return tokenize_parts(self._llm, parts)
+        with self._calls.counted():
+            return tokenize_parts(self._llm, parts)
 
     def tokenize_text(self, data: bytes) -> list[int]:
         """Tokens of answer text: no BOS, special-token syntax kept as plain text."""
-        return self._llm.tokenize(data, add_bos=False, special=False) if data else []
+        if not data:
+            return []
+        with self._calls.counted():
+            return self._llm.tokenize(data, add_bos=False, special=False)
 
     def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token (cached after the first call)."""
         piece = self._piece_cache.get(token)
         if piece is None:
-            piece = self._llm.detokenize([token])
+            with self._calls.counted():
+                piece = self._llm.detokenize([token])
             self._piece_cache[token] = piece
         return piece
 
-    def grammar(self, gbnf: str) -> Grammar:
+    def grammar(self, gbnf: str) -> ModelGrammar:
         """A fresh parse state of `gbnf` over this model's vocabulary (raises GrammarUnsupported).
         The last GRAMMARS_KEPT grammars are parsed once and cloned after that, so a request's `n`
         choices and repeated schemas parse once. Blocking: call it off the event loop."""
-        with self._grammars_lock:
+        with self._calls.counted(), self._grammars_lock:
             parsed = self._grammars.pop(gbnf, None) or Grammar(self._vocab, self.n_vocab, gbnf)
             self._grammars[gbnf] = parsed
             if len(self._grammars) > GRAMMARS_KEPT:
                 self._grammars.pop(next(iter(self._grammars))).close()
-            return parsed.clone()
+            return ModelGrammar(parsed.clone(), self._calls)
 
     def is_end_of_generation(self, token: int) -> bool:
         return token in self._eog

@@ -179,7 +179,8 @@ class Runtime:
         return models, fresh
 
     async def _unload(self, models: Iterable[LocalModel]) -> None:
-        """Free `models`: loaded for a configuration that is not served, or dropped by one."""
+        """Free `models`: loaded for a configuration that is not served, dropped by one, or all at shutdown;
+        each once no call on it is in flight on any thread (LocalModel.close waits, off the event loop)."""
         for model in list(models):
             self.models_by_settings = {key: kept for key, kept in self.models_by_settings.items() if kept is not model}
             await asyncio.to_thread(model.close)  # frees the weights: tens of milliseconds and more
@@ -293,13 +294,16 @@ class Runtime:
     def hold(self, model: LocalModel) -> ModelHold:
         """Count a request on `model`, the local model of the alias admission picked for it, until the
         hold is given back (when the request's admission resources are released): a reload frees no
-        model that a request holds."""
+        model that a request holds. A cancelled request gives its hold back as it unwinds, while a
+        worker thread of its may still run a call on the model: the model counts those itself
+        (LocalModel.close frees it only once none is left)."""
         self.holds[model] += 1
         return ModelHold(self.holds, model)
 
     async def _retire(self, model: LocalModel) -> None:
         """Free a model a reload dropped once no request admitted on it is left: none holds it (`hold`:
-        from its alias lookup to its end) and none of its sequences is held or awaited."""
+        from its alias lookup to its end) and none of its sequences is held or awaited; the free itself
+        waits for any call a cancelled request's thread still runs on it (`_unload`)."""
         while self.holds[model] or model.queue_depth or self._reloading.locked():  # a reload may pick it again
             await asyncio.sleep(RETIRE_POLL_S)
         if any(served is model for served in self.local_models.values()):
@@ -322,8 +326,7 @@ class Runtime:
         await asyncio.gather(*self.background, return_exceptions=True)
         for server in self.servers:
             server.stop()
-        for model in self.models_by_settings.values():
-            model.close()
+        await self._unload(self.models_by_settings.values())
         await self.ledger.store.close()
 
 

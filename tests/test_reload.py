@@ -2,7 +2,8 @@
 with a real upstream llama-server: POST /admin/reload and SIGHUP re-read the file, check it as
 start-up does, and serve it; a bad file is refused whole while the running configuration serves on;
 a streamed answer started before a reload finishes on the configuration it started with. In
-process, on a real model: a model the reload drops is freed only after the request admitted on it."""
+process, on a real model: a model the reload drops is freed only after the request admitted on it,
+and after any call a cancelled request's worker thread still runs on it."""
 
 from __future__ import annotations
 
@@ -11,14 +12,21 @@ import copy
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import yaml
+from llama_cpp import Llama
+from llama_cpp.llama_grammar import JSON_GBNF
 
+from adapters import local_model as local_model_module
+from adapters.grammar import Grammar
 from adapters.memory_store import MemoryStore
+from adapters.vocabulary import tokenize_parts
+from bench.support import load
 from gateway import runtime as runtime_module
 from gateway.admission.chat import admit
 from gateway.runtime import Runtime
@@ -210,9 +218,56 @@ class SlowAdmission(MemoryStore):
         return await super().admit(*args, **kwargs)
 
 
+class HeldCall:
+    """`call` on `llm`'s model, whose first call waits on its thread until `go` is set (as a long
+    prompt keeps its thread), then goes on only if the model is not freed by then: a call on a
+    freed model would crash the test run instead of failing its test."""
+
+    def __init__(self, call: Callable, llm: Llama) -> None:
+        self.call, self.llm = call, llm
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def __call__(self, *args):
+        if not self.started.is_set():
+            self.started.set()
+            self.go.wait(30)
+        if freed(self.llm):
+            raise RuntimeError("a call on a freed model")
+        return self.call(*args)
+
+
 def loaded(runtime: Runtime, model) -> bool:
     """Whether `model` is still loaded (not yet freed) in `runtime`."""
     return any(held is model for held in runtime.models_by_settings.values())
+
+
+def freed(llm: Llama) -> bool:
+    """Whether the weights of `llm` (a LocalModel's) were freed."""
+    return llm._model.model is None  # noqa: SLF001 - llama-cpp-python's handle, None once freed
+
+
+async def soon(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """Whether `condition` holds within `timeout_s` (checked every 50 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return condition()
+
+
+async def started_runtime(config: dict, path: Path) -> Runtime:
+    """A runtime serving `config`, written to `path`, which its reloads re-read."""
+    path.write_text(yaml.safe_dump(config))
+    return await Runtime.start(load_settings(path), environ={"TEST_DEMO_KEY": DEMO_KEY, "TEST_ADMIN_KEY": ADMIN_KEY},
+                               load_settings=lambda: load_settings(path))
+
+
+async def reload_dropping_smol(runtime: Runtime, config: dict, path: Path) -> None:
+    """Reload with smol's entry changed: a new model serves it, the running one is dropped."""
+    dropped = runtime.local_models["smol"]
+    config["models"]["local"]["smol"]["n_ctx"] = 1024
+    path.write_text(yaml.safe_dump(config))
+    assert "models.local.smol: loaded" in await runtime.reload()
+    assert runtime.local_models["smol"] is not dropped
 
 
 async def test_a_model_a_reload_drops_serves_the_request_admitted_on_it_and_is_freed_after(tmp_path, monkeypatch):
@@ -220,18 +275,13 @@ async def test_a_model_a_reload_drops_serves_the_request_admitted_on_it_and_is_f
     monkeypatch.setattr(runtime_module, "_store", lambda settings: store)
     monkeypatch.setattr(runtime_module, "RETIRE_POLL_S", 0.05)
     config, path = gateway_config(None), tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump(config))
-    runtime = await Runtime.start(load_settings(path), environ={"TEST_DEMO_KEY": DEMO_KEY, "TEST_ADMIN_KEY": ADMIN_KEY},
-                                  load_settings=lambda: load_settings(path))
+    runtime = await started_runtime(config, path)
     dropped = runtime.local_models["smol"]
     body = ChatCompletionRequest(model="local", messages=COUNTING, max_tokens=8, temperature=0)
     admitting = asyncio.create_task(admit(runtime, runtime.tenants.authenticate(DEMO_KEY), body))
     try:
         await asyncio.wait_for(store.waiting.wait(), 30)  # the request has its alias, not yet a sequence
-        config["models"]["local"]["smol"]["n_ctx"] = 1024  # a changed entry: a new model, the old one dropped
-        path.write_text(yaml.safe_dump(config))
-        assert "models.local.smol: loaded" in await runtime.reload()
-        assert runtime.local_models["smol"] is not dropped
+        await reload_dropping_smol(runtime, config, path)
         await asyncio.sleep(0.5)  # ten retirement polls
         assert loaded(runtime, dropped)  # not freed under the request
         store.go.set()
@@ -240,12 +290,56 @@ async def test_a_model_a_reload_drops_serves_the_request_admitted_on_it_and_is_f
         pieces = [piece async for _, piece in admitted.pieces()]
         await admitted.release()
         assert "".join(piece.text for piece in pieces).strip()  # answered on the model it was admitted on
-        for _ in range(100):
-            if not loaded(runtime, dropped):
-                break
-            await asyncio.sleep(0.05)
-        assert not loaded(runtime, dropped)  # freed once the request ended
+        assert await soon(lambda: not loaded(runtime, dropped))  # freed once the request ended
         assert not runtime.holds
     finally:
         admitting.cancel()  # a request still waiting must not go on to a model freed under it
         await runtime.close()
+
+
+async def test_a_model_a_reload_drops_is_freed_only_after_a_cancelled_requests_thread_returns(tmp_path, monkeypatch):
+    """A client leaves while its prompt is tokenized on a worker thread: the request unwinds and gives
+    its hold back at once, but the thread tokenizes on, so the dropped model waits for it."""
+    monkeypatch.setattr(runtime_module, "RETIRE_POLL_S", 0.05)
+    config, path = gateway_config(None), tmp_path / "gateway.yaml"
+    runtime = await started_runtime(config, path)
+    dropped = runtime.local_models["smol"]
+    tokenizing = HeldCall(tokenize_parts, dropped._llm)  # noqa: SLF001 - the weights the free must wait for
+    monkeypatch.setattr(local_model_module, "tokenize_parts", tokenizing)
+    body = ChatCompletionRequest(model="local", messages=COUNTING, max_tokens=8, temperature=0)
+    admitting = asyncio.create_task(admit(runtime, runtime.tenants.authenticate(DEMO_KEY), body))
+    try:
+        assert await asyncio.to_thread(tokenizing.started.wait, 30)
+        admitting.cancel()  # the client left
+        with pytest.raises(asyncio.CancelledError):
+            await admitting
+        assert not runtime.holds  # given back while its thread still tokenizes
+        await reload_dropping_smol(runtime, config, path)
+        await asyncio.sleep(0.5)  # ten retirement polls
+        assert not freed(dropped._llm)  # not under the thread's call
+        tokenizing.go.set()
+        assert await soon(lambda: freed(dropped._llm))  # freed once the call returned
+    finally:
+        tokenizing.go.set()
+        await runtime.close()
+
+
+async def test_a_grammar_check_on_a_worker_thread_holds_off_its_models_free(smol_path, monkeypatch):
+    """A grammar's mask (a decoding step's, on a worker thread) reads its model's vocabulary: the model
+    is freed only once the mask returns."""
+    model = await load(smol_path, parallel=1)
+    llm = model._llm  # noqa: SLF001 - the weights the free must wait for
+    grammar = model.grammar(JSON_GBNF)
+    masking = HeldCall(Grammar.mask, llm)
+    monkeypatch.setattr(Grammar, "mask", lambda state, *args: masking(state, *args))
+    mask = asyncio.ensure_future(asyncio.to_thread(grammar.mask, [], np.zeros(model.n_vocab, dtype=np.float32)))
+    assert await asyncio.to_thread(masking.started.wait, 30)
+    closing = asyncio.ensure_future(asyncio.to_thread(model.close))
+    try:
+        await asyncio.sleep(0.3)
+        assert not freed(llm)  # not under the mask
+    finally:
+        masking.go.set()
+    await closing
+    assert freed(llm) and np.isinf(await mask).any()  # freed once the mask returned, which forbade tokens
+    grammar.close()
