@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 
+import numpy as np
 import pytest
 
 from adapters.memory_store import MemoryStore
@@ -13,6 +15,7 @@ from adapters.pricing import Prices
 from adapters.store import Limits, StoreUnavailable
 from adapters.upstream import UpstreamRejected
 from adapters.upstream_errors import UpstreamFailedRequest
+from gateway.decoding.answer import Answer
 from gateway.decoding.cost_ceiling import CostCeiling, cost_ratio
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import Sampling
@@ -728,3 +731,27 @@ async def test_local_tokens_the_grammar_forbids_are_redrawn():
     local = FakeLocalModel(VOCAB, "Paris is nice.")
     decoding, _ = make(local, None, policy="never", grammar="Paris is big.")
     assert "".join(p.text for p in await run(decoding)) == "Paris is big."
+
+
+async def test_a_cancelled_grammar_mask_returns_only_once_its_thread_has():
+    """The request frees its grammar as it unwinds: a cancellation must not outrun the thread still
+    masking with it."""
+    running, release, returned = threading.Event(), threading.Event(), threading.Event()
+
+    class SlowGrammar:
+        def mask(self, tokens, logits):
+            running.set()
+            release.wait(5)
+            returned.set()
+            return logits
+
+    answer = Answer(None, 8, (), SlowGrammar())  # masking reads no vocabulary
+    task = asyncio.create_task(answer.masked(np.zeros(4)))
+    await asyncio.to_thread(running.wait, 5)
+    task.cancel()
+    await asyncio.sleep(0.2)
+    assert not task.done()  # still waiting for the thread
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert returned.is_set()

@@ -14,6 +14,7 @@ GRAMMAR_SPAN tokens), and the answer ends only where the grammar is complete.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Protocol
 
 import numpy as np
@@ -169,8 +170,16 @@ class Answer:
         return self._grammar is None or self._grammar.allows(self.tokens, token)
 
     async def masked(self, logits: np.ndarray) -> np.ndarray:
-        """Next-token `logits` with every token the grammar refuses next at -inf (off the event loop)."""
-        return await asyncio.to_thread(self._grammar.mask, self.tokens, logits)
+        """Next-token `logits` with every token the grammar refuses next at -inf (off the event loop).
+        Cancelled, it returns only once the thread has: the request frees the grammar as it unwinds."""
+        work = asyncio.ensure_future(asyncio.to_thread(self._grammar.mask, self.tokens, logits))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            while not work.done():  # one mask is milliseconds of work: wait it out, whatever cancels again
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({work})
+            raise
 
     def kept(self, written: Written | None) -> Written | None:
         """What an upstream wrote, as far as the grammar accepts it next; finished only if all of it was
