@@ -149,6 +149,13 @@ def test_a_scoped_key_sees_only_its_aliases(client):
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "scopes[0]"
 
 
+def test_a_key_scoped_outside_its_tenants_aliases_is_refused(client):
+    assert client.post("/admin/tenants", headers=ADMIN, json={"id": "narrow", "aliases": ["local"]}).status_code == 201
+    outside = client.post("/admin/tenants/narrow/keys", headers=ADMIN, json={"name": "x", "scopes": ["local", "routed"]})
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "scopes[1]"
+    assert [k["name"] for k in client.get("/admin/tenants/narrow/keys", headers=ADMIN).json()["data"]] == []
+
+
 def test_a_tenant_is_created_and_its_budgets_and_limits_changed_by_merge_patch(client):
     created = client.post("/admin/tenants", headers=ADMIN, json={"id": "acme", "daily": {"upstream_tokens": 100,
                                                                                           "upstream_cost_usd": 1.0}})

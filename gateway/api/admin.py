@@ -135,11 +135,15 @@ async def list_keys(tenant_id: str, request: Request):
 @api.post("/tenants/{tenant_id}/keys", status_code=201)
 async def issue_key(tenant_id: str, request: Request):
     """A new key for the tenant; the response holds the key itself, shown this once."""
-    runtime, body = runtime_of(request), await parse_body(request, KeyRequest)
+    runtime, body, changes = runtime_of(request), await parse_body(request, KeyRequest), changes_of(request)
+    tenant, _ = await changes.tenant(tenant_id)
     for index, alias in enumerate(body.scopes or []):
         if alias not in runtime.aliases:
             raise InvalidRequest(f"no alias '{quoted(alias)}'", param=f"scopes[{index}]")
-    record, secret = await changes_of(request).issue_key(tenant_id, body.name, expiry(body), body.scopes)
+        if not tenant.may_use(alias):
+            raise InvalidRequest(f"tenant '{quoted(tenant_id)}' may not use alias '{quoted(alias)}': a key's scopes "
+                                 "narrow its tenant's aliases", param=f"scopes[{index}]")
+    record, secret = await changes.issue_key(tenant_id, body.name, expiry(body), body.scopes)
     return {**record.view(), "key": secret}
 
 
