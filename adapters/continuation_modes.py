@@ -9,11 +9,13 @@
 - chat_continue: chat with a trailing assistant message and `continue_final_message: true,
                  add_generation_prompt: false` (vLLM, and this gateway itself).
 - chat_prefix:   chat with a trailing assistant message marked `prefix: true` (DeepSeek, Mistral).
-- chat_fallback: chat-only providers: ask to continue exactly, then strip any echoed overlap.
+- chat_fallback: chat-only providers: ask to repeat the answer's end, then continue; keep only
+                 what follows that echo (a reply without it answers afresh and adds nothing).
 
 A chat reply is joined to the answer so that words stay whole (`ChatMode.join`): a server that
 prefills the answer (llama-server) sends it back before the continuation, and a reply that starts
-a message of its own has lost the space its first word had (`restore_space`).
+a message of its own has lost the space its first word had (`restore_space`); a chat_fallback
+reply's echo carries the word boundary with it.
 
 A mode builds hand-offs and makes the one litellm call of each; the `Upstream` around it owns
 retries, the circuit breaker, cache isolation, usage and prices.
@@ -30,10 +32,9 @@ from typing import Any, ClassVar
 from adapters.litellm_client import litellm
 from adapters.vocabulary import Vocabulary
 
-FALLBACK_INSTRUCTION = (
-    "Continue your previous answer exactly where it stopped, mid-word if needed. "
-    "Output only the continuation, without repeating any of it."
-)
+FALLBACK_INSTRUCTION = "Continue your previous answer exactly where it stopped."
+REPEAT_END = ' Start your reply with the text it ends with, "{end}", then write what follows it, and nothing else.'
+MAX_END_CHARS = 24  # the longest answer end a chat_fallback reply is asked to repeat (a long word's tail)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,10 @@ class TokensMode:
     def text(self, handoff: Handoff, response: Any) -> str:
         return response.choices[0].text
 
+    def dropped(self, text: str, response: Any) -> bool:
+        """Whether the reply was dropped as no continuation (see ChatFallbackMode): never here."""
+        return False
+
 
 class TextMode:
     """Modes that send text: content and answer arrive neutralized (control-token strings broken)."""
@@ -150,6 +155,10 @@ class TextMode:
 
     def prompt(self, handoff: Handoff) -> str:
         return handoff.text
+
+    def dropped(self, text: str, response: Any) -> bool:
+        """Whether the reply was dropped as no continuation (see ChatFallbackMode): never here."""
+        return False
 
     def prompt_tokens(self, handoff: Handoff) -> int | None:
         """Exact with the upstream's vocabulary, else unknown."""
@@ -241,14 +250,39 @@ class ChatPrefixMode(ChatMode):
 
 
 class ChatFallbackMode(ChatMode):
-    restores_space = True  # a reply that repeats nothing starts a message of its own
+    """A chat-only provider asked to continue mostly answers the question afresh instead (a small
+    model writes its own option letter after the answer's start: "A" + "B"). So the reply is asked
+    to repeat the answer's end first (`answer_end`), and only a reply that does continues it."""
+
+    async def call(self, handoff: Handoff, common: dict[str, Any], extra_body: dict[str, Any]) -> Any:
+        """The span's tokens are asked for after the echo's."""
+        end = answer_end(split(handoff)[1])
+        if end:
+            common = {**common, "max_tokens": common["max_tokens"] + self.tokens(end)}
+        return await super().call(handoff, common, extra_body)
 
     def answer_messages(self, answer: str) -> list[dict[str, Any]]:
-        return [{"role": "assistant", "content": answer}, {"role": "user", "content": FALLBACK_INSTRUCTION}]
+        end = answer_end(answer)
+        instruction = FALLBACK_INSTRUCTION + (REPEAT_END.format(end=end) if end else "")
+        return [{"role": "assistant", "content": answer}, {"role": "user", "content": instruction}]
 
     def strip(self, answer: str, reply: str) -> str:
-        """Any echo dropped (`strip_echo`): what follows an echo carries the reply's own word boundary."""
-        return strip_echo(answer, reply)
+        """What follows the reply's echo of the answer's end (`strip_echo`: it may repeat more, as
+        far as the whole answer), with the reply's own word boundary; nothing where it repeats less
+        (no continuation). After whitespace the answer's own is kept; after an answer without a
+        word (nothing to repeat) the reply is kept as sent."""
+        end = answer_end(answer)
+        if not end:
+            return reply
+        body, head = answer.rstrip(), reply.lstrip()
+        rest = strip_echo(body, head, min_overlap=len(end))
+        if len(head) - len(rest) < len(end):
+            return ""
+        return rest.lstrip() if body != answer else rest
+
+    def dropped(self, text: str, response: Any) -> bool:
+        """A reply that added nothing though it said something answered afresh: it ends nothing."""
+        return not text and bool(response.choices[0].message.content)
 
 
 ContinuationMode = TokensMode | CompletionsMode | ChatMode
@@ -268,8 +302,9 @@ def mode_for(mode: str, model: str, vocab: Vocabulary | None, neutral: Callable[
 
 def gives_alternatives(mode: str) -> bool:
     """Whether a reply in continuation mode `mode` carries its first token's alternatives for the
-    answer's next position (tokens, completions, chat_continue): a chat_prefix or chat_fallback
-    reply may start a message of its own (its first word without the space the answer needs)."""
+    answer's next position (tokens, completions, chat_continue): a chat_prefix reply may start a
+    message of its own (its first word without the space the answer needs), a chat_fallback one
+    repeats the answer's end first."""
     return mode in ("tokens", "completions", "chat_continue")
 
 
@@ -341,6 +376,13 @@ def strip_echo(answer: str, text: str, min_overlap: int = 4) -> str:
         if answer.endswith(text[:size]) and (size >= min_overlap or whole_words(answer, text, size)):
             return text[size:]
     return text
+
+
+def answer_end(answer: str) -> str:
+    """The end of `answer` a chat_fallback reply is asked to repeat: its last word, at most its last
+    MAX_END_CHARS characters; "" for an answer without a word."""
+    body = answer.rstrip()
+    return body[-MAX_END_CHARS:].split()[-1] if body else ""
 
 
 def whole_words(answer: str, text: str, size: int) -> bool:

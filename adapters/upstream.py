@@ -247,7 +247,7 @@ class Upstream:
         if completion_tokens is None:
             completion_tokens = litellm().token_counter(model="gpt-4o", text=text)
         return Continuation(
-            text=text, finished=choice.finish_reason == "stop",
+            text=text, finished=choice.finish_reason == "stop" and not self._mode.dropped(text, response),
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             cost_usd=self.estimate_cost(prompt_tokens, completion_tokens, usage.cached_tokens), latency_s=latency_s,
             cached_tokens=usage.cached_tokens, compute_ms=usage.compute_ms,

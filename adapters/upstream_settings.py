@@ -39,7 +39,8 @@ class UpstreamSettings(Strict):
         description="How a partial answer is continued: tokens (llama-server/vLLM: /v1/completions on token ids "
         "of the upstream's own chat template, extended incrementally so the server re-uses its KV cache), "
         "completions (the same prompt as text), chat_continue (vLLM/this gateway: continue_final_message), chat_prefix "
-        "(DeepSeek/Mistral: assistant prefix), chat_fallback (chat-only providers: instruction, echo strip and the word boundary restored).",
+        "(DeepSeek/Mistral: assistant prefix), chat_fallback (chat-only providers: asked to repeat the answer's end, "
+        "then continue; only what follows the echo is kept).",
     )
     template_gguf: str | None = Field(
         None, description="GGUF whose chat template renders prompts in completions mode (defaults to launch.gguf)."

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from adapters.continuation_modes import answer_end, mode_for
 from gateway.runtime import make_upstream
 from gateway.settings import UpstreamSettings
 from tests.conftest import SMOL
@@ -16,6 +17,7 @@ from tests.fakes import JsonProvider, serve
 
 QUESTION = [{"role": "user", "content": "Who is at the desk?"}]
 WHOLE = "The computer user, working late, typed:\n1. Save the file (B. backup) to NASA; see os.path.join."
+ANOTHER = "B. backup"  # an answer of its own, which no partial answer here begins
 
 
 class Provider(JsonProvider):
@@ -32,10 +34,9 @@ class Provider(JsonProvider):
         assert WHOLE.startswith(partial), partial
         words = re.findall(r"\s*\S+", WHOLE[len(partial):])[: body["max_tokens"]]
         rest = "".join(words)
-        self.answer(self.content(partial, rest, body["max_tokens"]), body["model"], len(words),
-                    partial + rest == WHOLE)
+        self.answer(self.content(partial, rest, body), body["model"], len(words), partial + rest == WHOLE)
 
-    def content(self, partial: str, rest: str, max_tokens: int) -> str:
+    def content(self, partial: str, rest: str, body: dict) -> str:
         return partial + rest if self.echo else rest.lstrip(" ")
 
     def answer(self, content: str, model: str, words: int, finished: bool) -> None:
@@ -51,17 +52,29 @@ class Echoing(Provider):
 
 
 class Repeating(Provider):
-    """A chat model that repeats the partial answer's last word, then continues."""
+    """A chat model that does as chat_fallback asks: repeats the end of the answer the instruction
+    quotes (one token, of the `max_tokens` it may write), then continues with a word a token."""
 
-    def content(self, partial: str, rest: str, max_tokens: int) -> str:
-        return partial.split()[-1] + rest
+    def content(self, partial: str, rest: str, body: dict) -> str:
+        end = re.search(r'"(.+)"', body["messages"][-1]["content"])[1]
+        said = partial.rstrip()
+        assert said.endswith(end), end
+        return end + "".join(re.findall(r"\s*\S+", WHOLE[len(said):])[: body["max_tokens"] - 1])
 
 
 class Restarting(Provider):
     """A chat model that, asked to continue, answers again from the start (`max_tokens` words of it)."""
 
-    def content(self, partial: str, rest: str, max_tokens: int) -> str:
-        return "".join(re.findall(r"\s*\S+", WHOLE)[:max_tokens])
+    def content(self, partial: str, rest: str, body: dict) -> str:
+        return "".join(re.findall(r"\s*\S+", WHOLE)[: body["max_tokens"]])
+
+
+class Answering(Provider):
+    """A chat model that, asked to continue, writes its own answer instead (`ANOTHER`, as a small
+    model writes its option letter after the answer's start)."""
+
+    def content(self, partial: str, rest: str, body: dict) -> str:
+        return "".join(re.findall(r"\s*\S+", ANOTHER)[: body["max_tokens"]])
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +95,11 @@ def repeating() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def restarting() -> Iterator[str]:
     yield from serve(Restarting)
+
+
+@pytest.fixture(scope="module")
+def answering() -> Iterator[str]:
+    yield from serve(Answering)
 
 
 async def continued(api_base: str, mode: str, partial: str, words: int = 2, template: str | None = None) -> str:
@@ -107,10 +125,9 @@ JOINS = {
 }
 
 
-@pytest.mark.parametrize("mode", ["chat_fallback", "chat_prefix"])
 @pytest.mark.parametrize("template", [None, SMOL])  # litellm's (OpenAI's) tokenizer, or the upstream's own
-async def test_a_reply_that_starts_a_message_of_its_own_keeps_words_whole(fresh, mode, template):
-    joined = {partial: await continued(fresh, mode, partial, template=template) for partial in JOINS}
+async def test_a_reply_that_starts_a_message_of_its_own_keeps_words_whole(fresh, template):
+    joined = {partial: await continued(fresh, "chat_prefix", partial, template=template) for partial in JOINS}
     assert joined == JOINS
 
 
@@ -120,18 +137,66 @@ async def test_an_echoed_answer_is_dropped_and_its_word_boundary_kept(echoing, m
     assert joined == JOINS
 
 
+# partial answer (each ends in a one-token word) -> the answer after a two-word chat_fallback hand-off
+REPEATED = {
+    "The": "The computer user,",
+    "The comp": "The computer user,",  # the rest of the word glued
+    "The computer user, working ": TYPED,  # after whitespace the answer's own is kept
+    TYPED + "\n1. Save the": TYPED + "\n1. Save the file (B.",  # an end shorter than four characters
+}
+
+
+@pytest.mark.parametrize("template", [None, SMOL])
+async def test_a_fallback_reply_that_repeats_the_answers_end_continues_it_by_the_span(repeating, template):
+    joined = {partial: await continued(repeating, "chat_fallback", partial, template=template) for partial in REPEATED}
+    assert joined == REPEATED
+
+
+@pytest.mark.parametrize("provider", ["answering", "fresh"])  # its own answer; a continuation without the echo
+async def test_a_fallback_reply_that_does_not_repeat_the_answers_end_adds_nothing(request, provider):
+    partials = ["The", "The computer user, working", TYPED + "\n1. Save the"]
+    joined = {partial: await continued(request.getfixturevalue(provider), "chat_fallback", partial)
+              for partial in partials}
+    assert joined == {partial: partial for partial in partials}
+
+
 async def test_a_reply_that_starts_the_answer_again_adds_only_what_is_new(restarting):
-    restarted = {partial: await continued(restarting, "chat_fallback", partial, words=3)
-                 for partial in ("The", "The comp", "The computer user,", "The computer user, working late,")}
+    restarted = {partial: await continued(restarting, "chat_fallback", partial)
+                 for partial in ("The", "The comp", "The computer user, working")}
     assert restarted == {"The": "The computer user,", "The comp": "The computer user,",  # its own boundary
-                         "The computer user,": "The computer user,",  # nothing new yet
-                         "The computer user, working late,": "The computer user, working late,"}
+                         "The computer user, working": "The computer user, working"}  # nothing new yet
 
 
-async def test_a_repeated_last_word_is_dropped_however_short(repeating):
-    partials = ["The computer", TYPED + "\n1. Save the", TYPED + "\n1.", TYPED + "\n1. Save the file (B."]
-    joined = {partial: await continued(repeating, "chat_fallback", partial) for partial in partials}
-    assert joined == {"The computer": "The computer user, working",
-                      TYPED + "\n1. Save the": TYPED + "\n1. Save the file (B.",
-                      TYPED + "\n1.": TYPED + "\n1. Save the",
-                      TYPED + "\n1. Save the file (B.": TYPED + "\n1. Save the file (B. backup) to"}
+NEST = "A. bird's nest\n"
+# (partial answer, chat_fallback reply) -> what the reply adds
+ECHOES = {
+    ("A", "A. packaging"): ". packaging",
+    ("A", "B"): "",  # a restart: the model's own option letter
+    ("A person looking for", "B. compliments"): "",
+    ("A B.", "B. C"): " C",
+    (TYPED + "\n1.", "1. Save"): " Save",
+    ("The co", "computer"): "mputer",  # the whole end repeated, however short
+    ("The", "The"): "",  # the end alone: nothing yet
+    (NEST, "nest\nExplanation"): "Explanation",
+    (NEST, "nest Explanation"): "Explanation",
+    ("x" * 30, "x" * 24 + "y"): "y",  # a long word: its tail is the end asked for
+    ("\n", "Paris"): "Paris",  # no word to repeat: kept as sent
+}
+
+
+def test_a_fallback_reply_is_kept_from_after_its_echo_of_the_answers_end():
+    mode = mode_for("chat_fallback", "openai/x", None, str)
+    assert {pair: mode.join(*pair) for pair in ECHOES} == ECHOES
+    assert (answer_end("x" * 30), answer_end(NEST), answer_end("\n")) == ("x" * 24, "nest", "")
+    assert '"for"' in mode.answer_messages("A person looking for")[-1]["content"]
+
+
+async def test_a_dropped_fallback_reply_does_not_end_the_answer(answering):
+    """The provider stops after its own short answer ("B. backup", finish_reason stop): that ends
+    its reply, not the partial answer, which the local model goes on with."""
+    upstream = make_upstream("up", UpstreamSettings(model="openai/x", api_base=answering, mode="chat_fallback",
+                                                    retries=0))
+    partial = WHOLE.removesuffix("os.path.join.")
+    continuation = await upstream.continue_text(upstream.with_answer(upstream.handoff(QUESTION), partial), 9,
+                                                0.0, 1.0, None)
+    assert (continuation.text, continuation.finished) == ("", False)
