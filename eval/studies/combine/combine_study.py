@@ -1,5 +1,6 @@
 """Issue #63's combine study, in FS-GEN's shape: accuracy against the routed share for take,
-contrastive and fuse at the routed steps, on held-out CommonsenseQA, the embedded pair.
+contrastive and fuse at the routed steps, on held-out CommonsenseQA (the embedded pair unless
+--local and --upstream name another; `top1@1` routes every step, FS-GEN's 100% point).
 
     .venv/bin/python -m eval.studies.combine.combine_study run --rows 100:200 --configs entropy@2.5
     .venv/bin/python -m eval.studies.combine.combine_study report --rows 100:200 --configs entropy@2.5
@@ -13,14 +14,14 @@ combined/csqa__<config>+<rule>.jsonl, resumable (an item already recorded is ski
 
 `report`: accuracy per config and rule over the items every config answered, the routed share of
 answer tokens, and each rule paired with take at the same routing config (gained / lost, exact
-McNemar p), with how its routed steps chose (usage.routing.combined).
+McNemar p, paired bootstrap interval of the accuracy difference), with how its routed steps chose
+(usage.routing.combined).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from fitting.configs import parse_config
 from fitting.datasets import Item, load_items
 from fitting.records import append_record, read_records, records_path
 from fitting.runner import RunPlan, run
+from fitting.summary import bootstrap_ci, mcnemar_p
 from fitting.session import Models, ModelOptions, open_models
 from gateway.decoding.cost_ceiling import CostCeiling
 from gateway.decoding.decoder import DecodeRequest, Decoding
@@ -88,15 +90,6 @@ async def run_study(args: argparse.Namespace) -> None:
         models.close()
 
 
-def mcnemar(gained: int, lost: int) -> float:
-    """Exact two-sided McNemar p-value of `gained` against `lost` discordant pairs."""
-    n = gained + lost
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, k) for k in range(min(gained, lost) + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
-
-
 def report(args: argparse.Namespace) -> None:
     wanted = {item.id for item in load_items("csqa", DATA, args.rows)}
     names = ["local", "upstream"] + [f"{c}+{r}" for c in args.configs for r in RULES]
@@ -107,7 +100,8 @@ def report(args: argparse.Namespace) -> None:
     n = len(common)
     print(f"{n} held-out CommonsenseQA items answered by every config (rows {args.rows}); "
           f"max_tokens {args.max_tokens}\n")
-    print("| config | accuracy | routed share of tokens | vs take: gained / lost (McNemar p) | routed steps: "
+    print("| config | accuracy | routed share of tokens | vs take: gained / lost (McNemar p; paired bootstrap 95% "
+          "interval of the difference) | routed steps: "
           "agreed / changed / fell back |")
     print("|---|---|---|---|---|")
     for name in names:
@@ -120,7 +114,8 @@ def report(args: argparse.Namespace) -> None:
             take = records[name.rsplit("+", 1)[0] + "+take"]
             gained = sum(by_id[i]["correct"] and not take[i]["correct"] for i in common)
             lost = sum(take[i]["correct"] and not by_id[i]["correct"] for i in common)
-            paired = f"{gained} / {lost} (p = {mcnemar(gained, lost):.2f})"
+            low, high = bootstrap_ci([float(by_id[i]["correct"]) - float(take[i]["correct"]) for i in common])
+            paired = f"{gained} / {lost} (p = {mcnemar_p(gained, lost):.2f}; {low:+.1%} to {high:+.1%})"
             how = {k: sum(by_id[i]["combined"].get(k, 0) for i in common) for k in ("agreed", "changed", "fell_back")}
             steps = f"{how['agreed']} / {how['changed']} / {how['fell_back']}"
         print(f"| {name} | {right / max(1, n):.1%} ({right}/{n}) | {share:.1%} | {paired} | {steps} |")
