@@ -4,10 +4,9 @@ with hand-offs shows each hand-off's span, its upstream call beneath it, in the 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -15,7 +14,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from tests.conftest import free_port, gateway_config, live_gateway
+from tests.conftest import gateway_config, live_gateway
+from tests.fakes import serve
 
 pytestmark = pytest.mark.integration
 
@@ -53,13 +53,8 @@ def _span(span, service: str) -> dict:
 
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
-    finally:
-        server.shutdown()
-        server.server_close()
+    for base in serve(Receiver):
+        yield f"{base}/traces"
 
 
 def spans_of(request_id: str, timeout_s: float = 20.0) -> list[dict]:
