@@ -32,6 +32,7 @@ upstream-only and the agreement check.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gzip
 import json
@@ -49,7 +50,9 @@ from bench.greedy_cache import greedy_cache
 from bench.support import SMOL, live_gateway, upstream_server
 from fitting.answers import score
 from fitting.datasets import DATA_DIR, Item, load_items
+from fitting.tune_examples import stored_examples
 from gateway.presets import FALLBACKS
+from gateway.settings import StoreSettings
 from policies.agreement import same_answer
 
 KEYS = {"LEARN_A_KEY": "sk-learn-a", "LEARN_B_KEY": "sk-learn-b", "LEARN_C_KEY": "sk-learn-c",
@@ -198,10 +201,10 @@ def replay(args: argparse.Namespace, records: Records, rows: list[tuple[str, Ite
                   flush=True)
 
 
-def baseline(args: argparse.Namespace, records: Records, rows: list[tuple[str, Item]], base: str,
+def baseline(args: argparse.Namespace, records: Records, rows: list[tuple[str, Item]], later: int, base: str,
              client: httpx.Client, deadline: float) -> None:
-    """The stream's later half through the agreement-check alias (nothing learned there)."""
-    for index in range(int(len(rows) * (1 - args.later)), len(rows)):
+    """The stream's later half (from row `later`) through the agreement-check alias (nothing learned there)."""
+    for index in range(later, len(rows)):
         dataset, item = rows[index]
         row_id = f"{dataset}/{item.id}"
         if ("agreement", row_id) in records.seen:
@@ -214,9 +217,9 @@ def baseline(args: argparse.Namespace, records: Records, rows: list[tuple[str, I
                      "correct": correct(dataset, item, got["text"]), **got})
 
 
-def summary(args: argparse.Namespace, records: Records, final: dict[str, Any] | None,
-            labels: list[bool]) -> str:
-    """The run's report: the learning state and fits, then the later half's table."""
+def summary(args: argparse.Namespace, records: Records, final: dict[str, Any] | None, labels: list[bool],
+            later: int) -> str:
+    """The run's report: the learning state and fits, then the table of the rows from `later` on."""
     routed = {r["id"]: r for r in records.of("routed")}
     lines = [f"# Learning replay ({args.run}, {args.pair} pair): {len(routed)} requests, target {args.target}, "
              f"max_tokens {args.max_tokens}", ""]
@@ -232,7 +235,6 @@ def summary(args: argparse.Namespace, records: Records, final: dict[str, Any] | 
         lines.append(f"| v{fit.get('version')} {fit.get('event', '')} | {fit.get('examples')} | {fit.get('fitted_on')} "
                      f"| {fit.get('held_out')} | {fit.get('auc', fit.get('live_auc'))} | {fit.get('current_auc')} "
                      f"| {fit.get('bar')} | {fit.get('promoted')} |")
-    later = int(len(stream(args)) * (1 - args.later))
     columns = {"routed (learning)": routed, "agreement check": {r["id"]: r for r in records.of("agreement")},
                "upstream-only": {r["id"]: r for r in records.of("direct")}}
     rows = [i for i, r in routed.items() if r["index"] >= later and all(i in c for c in columns.values())]
@@ -279,11 +281,8 @@ def _later_half(columns: dict[str, dict[str, Any]], rows: list[str], labels: lis
 
 def example_labels(args: argparse.Namespace, state: dict[str, Any]) -> list[bool]:
     """Whether each example the gateway kept agreed (its label), read from the Store."""
-    import redis
-
-    key = f"learn-replay-{args.run}:{{quality:}}:examples:{state.get('key')}"
-    with contextlib.closing(redis.Redis.from_url(args.redis_url)) as client:
-        return [bool(json.loads(raw)["agreed"]) for raw in client.lrange(key, 0, -1)]
+    store = StoreSettings(backend="redis", url=args.redis_url, key_prefix=f"learn-replay-{args.run}")
+    return [example.agreed for example in asyncio.run(stored_examples(store, state["key"]))]
 
 
 def plot(records: Records, path: Path) -> None:
@@ -345,6 +344,7 @@ def main() -> None:
     args = arguments()
     records = Records(args.out / f"{args.run}.jsonl.gz")
     rows = stream(args)
+    later = int(len(rows) * (1 - args.later))
     proxy = free_port()
     api_base = f"http://127.0.0.1:{proxy}/v1"
     deadline = time.monotonic() + args.minutes * 60
@@ -360,10 +360,10 @@ def main() -> None:
             time.sleep(8)  # the last shadow samples and fit
             final = learning(client, gateway.base_url)
             if args.baseline == "agreement":
-                baseline(args, records, rows, gateway.base_url, client, deadline)
+                baseline(args, records, rows, later, gateway.base_url, client, deadline)
         print(f"  upstream answers recorded: {answers.misses} asked, {answers.hits} answered from the records",
               flush=True)
-    text = summary(args, records, final, example_labels(args, final["learning"]))
+    text = summary(args, records, final, example_labels(args, final["learning"]), later)
     (args.out / f"{args.run}.md").write_text(text)
     (args.out / f"{args.run}-quality.json").write_text(json.dumps(final, indent=1))
     plot(records, args.out / f"{args.run}.png")

@@ -19,7 +19,7 @@ import yaml
 from adapters.model_files import model_sha256
 from adapters.redis_store import RedisStore
 from fitting.records import write_json
-from gateway.settings import Settings, load_settings
+from gateway.settings import StoreSettings, load_settings
 from gateway.shadow.learning import learning_key
 from policies.online_check import Candidate, Example, fit_candidate
 
@@ -37,7 +37,7 @@ def tune_from_examples(config: Path, alias: str, out: Path, target: float | None
     if target is None:
         raise ValueError(f"alias '{alias}' has no quality_target: pass --target")
     sha = model_sha256(settings.models.local[settings.aliases[alias].local].gguf)
-    examples = asyncio.run(_examples(settings, learning_key(alias, sha)))
+    examples = asyncio.run(stored_examples(settings.store, learning_key(alias, sha)))
     meta = {"source": f"python -m gateway tune --from-examples: {len(examples)} examples of alias {alias}"}
     candidate = fit_candidate(examples, held_out, target, sha, meta)
     if candidate is None:
@@ -51,8 +51,9 @@ def tune_from_examples(config: Path, alias: str, out: Path, target: float | None
     return candidate
 
 
-async def _examples(settings: Settings, key: str) -> list[Example]:
-    store = settings.store
+async def stored_examples(store: StoreSettings, key: str) -> list[Example]:
+    """The learning examples a gateway keeps under `key` (gateway.shadow.learning.learning_key) in the
+    Redis store `store` names, oldest first; ValueError for a memory store."""
     if store.backend != "redis":
         raise ValueError("--from-examples reads the examples a gateway keeps in Redis (store.backend: redis); "
                          "a memory store's live only in its gateway's process")
