@@ -63,6 +63,12 @@ class Records:
         with self.guard:
             return self.locks.setdefault(key, threading.Lock())
 
+    def count(self, hit: bool) -> None:
+        """Count one recorded request: answered from the records (hit) or asked (miss)."""
+        with self.guard:
+            self.hits += hit
+            self.misses += not hit
+
     def add(self, record: dict[str, Any]) -> None:
         with self.guard:
             self.answers[record["key"]] = record
@@ -91,8 +97,8 @@ def _handler(target: str, records: Records, client: httpx.Client) -> type[BaseHT
                 return
             with records.lock(key):
                 record = records.answers.get(key)
+                records.count(hit=record is not None)
                 if record is None:
-                    records.misses += 1
                     status, content_type, body = self._ask(raw)
                     if status != 200:
                         self._send(status, content_type, body)
@@ -100,8 +106,6 @@ def _handler(target: str, records: Records, client: httpx.Client) -> type[BaseHT
                     record = {"key": key, "request": json.loads(raw), "content_type": content_type,
                               "body": body.decode()}
                     records.add(record)
-                else:
-                    records.hits += 1
             self._send(200, record["content_type"], record["body"].encode())
 
         def _ask(self, raw: bytes) -> tuple[int, str, bytes]:
