@@ -79,7 +79,20 @@ class Handoff:
         return self.prefix + self.answer
 
 
-class TokensMode:
+class ContinuingMode:
+    """What a mode whose reply always continues the answer shares: nothing is dropped, and a call
+    bills no more completion tokens than the span it asks for."""
+
+    def dropped(self, text: str, response: Any) -> bool:
+        """Whether the reply was dropped as no continuation (see ChatFallbackMode): never here."""
+        return False
+
+    def completion_tokens(self, handoff: Handoff, span: int) -> int:
+        """The most completion tokens a call for `span` answer tokens may bill."""
+        return span
+
+
+class TokensMode(ContinuingMode):
     """Token ids of the upstream's own template; each hand-off extends the request's id sequence."""
 
     def __init__(self, vocab: Vocabulary) -> None:
@@ -126,12 +139,8 @@ class TokensMode:
     def text(self, handoff: Handoff, response: Any) -> str:
         return response.choices[0].text
 
-    def dropped(self, text: str, response: Any) -> bool:
-        """Whether the reply was dropped as no continuation (see ChatFallbackMode): never here."""
-        return False
 
-
-class TextMode:
+class TextMode(ContinuingMode):
     """Modes that send text: content and answer arrive neutralized (control-token strings broken)."""
 
     def __init__(self, neutral: Callable[[str], str], vocab: Vocabulary | None) -> None:
@@ -155,10 +164,6 @@ class TextMode:
 
     def prompt(self, handoff: Handoff) -> str:
         return handoff.text
-
-    def dropped(self, text: str, response: Any) -> bool:
-        """Whether the reply was dropped as no continuation (see ChatFallbackMode): never here."""
-        return False
 
     def prompt_tokens(self, handoff: Handoff) -> int | None:
         """Exact with the upstream's vocabulary, else unknown."""
@@ -256,10 +261,13 @@ class ChatFallbackMode(ChatMode):
 
     async def call(self, handoff: Handoff, common: dict[str, Any], extra_body: dict[str, Any]) -> Any:
         """The span's tokens are asked for after the echo's."""
-        end = answer_end(split(handoff)[1])
-        if end:
-            common = {**common, "max_tokens": common["max_tokens"] + self.tokens(end)}
+        common = {**common, "max_tokens": self.completion_tokens(handoff, common["max_tokens"])}
         return await super().call(handoff, common, extra_body)
+
+    def completion_tokens(self, handoff: Handoff, span: int) -> int:
+        """The span and the echo of the answer's end before it (billed as the reply's own tokens)."""
+        end = answer_end(split(handoff)[1])
+        return span + (self.tokens(end) if end else 0)
 
     def answer_messages(self, answer: str) -> list[dict[str, Any]]:
         end = answer_end(answer)

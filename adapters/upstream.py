@@ -90,6 +90,8 @@ class Continuations(Protocol):
 
     def estimate_prompt_tokens(self, handoff: Handoff) -> int: ...
 
+    def estimate_completion_tokens(self, handoff: Handoff, span: int) -> int: ...
+
     def estimate_cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float: ...
 
     @property
@@ -167,6 +169,11 @@ class Upstream:
         if exact is not None:
             return exact
         return int(litellm().token_counter(model="gpt-4o", text=handoff.text) * 1.25) + 8
+
+    def estimate_completion_tokens(self, handoff: Handoff, span: int) -> int:
+        """The most completion tokens a call for `span` answer tokens bills: the span, and in
+        chat_fallback the echo of the answer's end the reply starts with."""
+        return self._mode.completion_tokens(handoff, span)
 
     @functools.cached_property
     def prices(self) -> Prices:

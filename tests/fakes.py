@@ -156,6 +156,9 @@ class FakeUpstream:
     def estimate_prompt_tokens(self, handoff: Handoff) -> int:
         return 10 + len(handoff.answer)
 
+    def estimate_completion_tokens(self, handoff: Handoff, span: int) -> int:
+        return span
+
     prices = Prices(input=1e-6, cached_input=1e-7, output=1e-6)
 
     def estimate_cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float:

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from adapters.continuation_modes import answer_end, mode_for
+from adapters.litellm_client import litellm
+from adapters.upstream import Upstream
 from gateway.runtime import make_upstream
 from gateway.settings import UpstreamSettings
 from tests.conftest import SMOL
@@ -189,6 +191,14 @@ def test_a_fallback_reply_is_kept_from_after_its_echo_of_the_answers_end():
     assert {pair: mode.join(*pair) for pair in ECHOES} == ECHOES
     assert (answer_end("x" * 30), answer_end(NEST), answer_end("\n")) == ("x" * 24, "nest", "")
     assert '"for"' in mode.answer_messages("A person looking for")[-1]["content"]
+
+
+def test_a_fallback_call_asks_and_reserves_the_echo_beside_the_span():
+    upstream = Upstream("up", UpstreamSettings(model="openai/x", mode="chat_fallback"), None)
+    handoff = upstream.handoff(QUESTION)
+    echo = upstream.estimate_completion_tokens(upstream.with_answer(handoff, "A person looking for"), 2) - 2
+    assert echo == litellm().token_counter(model="openai/x", text="for") > 0
+    assert upstream.estimate_completion_tokens(handoff, 2) == 2  # no answer yet: nothing to repeat
 
 
 async def test_a_dropped_fallback_reply_does_not_end_the_answer(answering):

@@ -562,6 +562,23 @@ async def test_a_rejected_hand_off_is_not_tried_again_in_the_request(error, reas
     assert decoding.usage.degraded == [reason]
 
 
+async def test_a_handoff_reserves_every_completion_token_its_call_bills():
+    """A chat_fallback reply starts with the answer's end repeated: completion tokens beyond the span
+    that the provider bills, so they are reserved with it (a budget's last tokens cannot pay them)."""
+    class Echoing(FakeUpstream):
+        def estimate_completion_tokens(self, handoff, span):
+            return span + 3
+
+    store = MemoryStore()
+    upstream = Echoing("Paris", delay_s=0.3)
+    decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, store=store)
+    task = asyncio.create_task(run(decoding))
+    await asyncio.sleep(0.1)
+    held = 1000 - (await store.headroom("t", Limits(day_tokens=1000), time.time())).tokens
+    assert held == upstream.estimate_prompt_tokens(upstream.calls[0]) + 1 + 3
+    await task
+
+
 async def test_a_reservation_outlives_its_slowest_possible_call():
     store = MemoryStore(reservation_ttl_s=60)
     upstream = FakeUpstream("Paris", delay_s=5.0, worst_case_s=300.0)

@@ -130,15 +130,16 @@ class HandoffCalls:
         (and writes one token, since servers always sample one); it is billed, and counted as a
         hand-off only if the first hand-off uses that token."""
         warm, span = span == 0, max(1, span)
-        estimate = self.upstream.estimate_prompt_tokens(handoff) + span
-        reservation = await self.gate.reserve(estimate, self.upstream.estimate_cost(estimate - span, span),
+        prompt, completion = (self.upstream.estimate_prompt_tokens(handoff),
+                              self.upstream.estimate_completion_tokens(handoff, span))
+        reservation = await self.gate.reserve(prompt + completion, self.upstream.estimate_cost(prompt, completion),
                                               ttl_s=self.upstream.worst_case_s + RESERVATION_MARGIN_S)
         if reservation is None:
             self.usage.degrade(self.gate.refusal)
             if self.gate.refusal != "store_unavailable":  # that one may answer at the next routed step
                 self.closed = True
             return None
-        predicted = self.upstream.prices.predicted(estimate - span, span, self.reusable_tokens)
+        predicted = self.upstream.prices.predicted(prompt, completion, self.reusable_tokens)
         sampling = self.request.sampling
         call = asyncio.ensure_future(self.upstream.continue_text(
             handoff, span, sampling.temperature, sampling.top_p, self.request.seed, self.request.rules.upstream_params()))

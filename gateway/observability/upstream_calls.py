@@ -62,6 +62,9 @@ class MeteredUpstream:
     def estimate_prompt_tokens(self, handoff: Handoff) -> int:
         return self.inner.estimate_prompt_tokens(handoff)
 
+    def estimate_completion_tokens(self, handoff: Handoff, span: int) -> int:
+        return self.inner.estimate_completion_tokens(handoff, span)
+
     @property
     def prices(self) -> Prices:
         return self.inner.prices
