@@ -19,7 +19,7 @@ already recorded is skipped); gzip them once done.
 `report`: accuracy per config and rule over the items every config answered, the routed share of
 answer tokens, and each rule paired with take at the same routing config (gained / lost, exact
 McNemar p, paired bootstrap interval of the accuracy difference), with how its routed steps chose
-(usage.routing.combined).
+(usage.routing.combined). `plot`: the same records as accuracy against the routed share, a line per rule.
 """
 
 from __future__ import annotations
@@ -110,13 +110,29 @@ async def run_study(args: argparse.Namespace) -> None:
         models.close()
 
 
-def report(args: argparse.Namespace) -> None:
+def answered(args: argparse.Namespace) -> tuple[list[str], dict[str, dict[str, dict[str, Any]]], list[str]]:
+    """The configs' names (local, upstream, then each config under each rule), their records by item
+    id, and the items every one of them answered."""
     wanted = {item.id for item in load_items(args.dataset, data_path(args.dataset, args.dev), args.rows)}
     names = ["local", "upstream"] + [f"{c}+{r}" for c in args.configs for r in args.rules]
     records = {name: {r["id"]: r for r in read_records(records_path(args.out / ("combined" if "+" in name else ""),
                                                                     args.dataset, name)) if r["id"] in wanted}
                for name in names}
-    common = sorted(set.intersection(*(set(by_id) for by_id in records.values())))
+    return names, records, sorted(set.intersection(*(set(by_id) for by_id in records.values())))
+
+
+def accuracy(by_id: dict[str, dict[str, Any]], common: list[str]) -> float:
+    return sum(by_id[i]["correct"] for i in common) / max(1, len(common))
+
+
+def routed_share(by_id: dict[str, dict[str, Any]], common: list[str]) -> float:
+    """Answer tokens the upstream wrote (or a routed step combined), of all written."""
+    written = sum(by_id[i]["answer_tokens"] for i in common)
+    return sum(by_id[i]["upstream_tokens"] for i in common) / max(1, written)
+
+
+def report(args: argparse.Namespace) -> None:
+    names, records, common = answered(args)
     n = len(common)
     print(f"{n} {'dev' if args.dev else 'held-out'} {args.dataset} items answered by every config (rows {args.rows}); "
           f"max_tokens {args.max_tokens}\n")
@@ -127,8 +143,6 @@ def report(args: argparse.Namespace) -> None:
     for name in names:
         by_id = records[name]
         right = sum(by_id[i]["correct"] for i in common)
-        written = sum(by_id[i]["answer_tokens"] for i in common)
-        share = sum(by_id[i]["upstream_tokens"] for i in common) / max(1, written)
         paired, steps = "", ""
         if "+" in name and not name.endswith("+take"):
             take = records.get(name.rsplit("+", 1)[0] + "+take")
@@ -142,13 +156,37 @@ def report(args: argparse.Namespace) -> None:
             steps = f"{how['agreed']} / {how['changed']} / {how['fell_back']}"
         calls = sum(by_id[i]["upstream_calls"] for i in common)
         cost = sum(by_id[i]["upstream_cost_usd"] for i in common)
-        print(f"| {name} | {right / max(1, n):.1%} ({right}/{n}) | {share:.1%} | {paired} | {steps} | "
-              f"{calls}, ${cost:.4f} |")
+        print(f"| {name} | {right / max(1, n):.1%} ({right}/{n}) | {routed_share(by_id, common):.1%} | {paired} | "
+              f"{steps} | {calls}, ${cost:.4f} |")
+
+
+def plot(args: argparse.Namespace) -> None:
+    """FS-GEN's figure: accuracy against the routed share, one line per rule from local alone (0%)
+    through each config, the upstream asked directly as a dashed level; to <out>/<dataset>-curve.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _, records, common = answered(args)
+    figure, axis = plt.subplots(figsize=(6, 4))
+    local = accuracy(records["local"], common)
+    for rule in args.rules:
+        points = sorted((routed_share(records[f"{c}+{rule}"], common), accuracy(records[f"{c}+{rule}"], common))
+                        for c in args.configs)
+        axis.plot([0.0] + [x for x, _ in points], [local] + [y for _, y in points], "o-", label=rule)
+    axis.axhline(accuracy(records["upstream"], common), linestyle="--", color="grey", label="upstream asked directly")
+    axis.set_xlabel("routed share of answer tokens")
+    axis.set_ylabel("accuracy")
+    axis.set_title(f"{args.dataset}, {len(common)} held-out items (rows {args.rows})", fontsize=9)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(args.out / f"{args.dataset}-curve.png", dpi=120)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["run", "report"])
+    parser.add_argument("command", choices=["run", "report", "plot"])
     parser.add_argument("--rows", default="100:200")
     parser.add_argument("--configs", nargs="+", default=["entropy@2.5"])
     parser.add_argument("--rules", nargs="+", default=list(RULES),
@@ -167,7 +205,7 @@ def main() -> None:
     if args.command == "run":
         asyncio.run(run_study(args))
     else:
-        report(args)
+        {"report": report, "plot": plot}[args.command](args)
 
 
 if __name__ == "__main__":
