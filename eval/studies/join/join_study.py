@@ -30,7 +30,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[3]
 
-from adapters.continuation_modes import split
+from adapters.continuation_modes import ChatMode, split
 from fitting.configs import parse_config
 from fitting.datasets import load_items
 from fitting.records import append_record, read_records, records_path
@@ -45,18 +45,27 @@ WORD = re.compile(r"[A-Za-z]+")
 
 
 class Logged:
-    """An upstream that notes each continuation it returns: the end of the answer it continued and
-    the text joined to it."""
+    """An upstream that notes each continuation it returns: the end of the answer it continued, the
+    text joined to it and, from a chat mode, the provider's reply as sent (what a join made of it)."""
 
     def __init__(self, upstream: Any) -> None:
-        self._upstream, self.joins = upstream, []
+        self._upstream, self.joins, self._reply = upstream, [], None
+        mode = upstream._mode  # the study reads the reply before the mode joins it
+        if isinstance(mode, ChatMode):
+            joined = mode.text
+            def noted(handoff: Any, response: Any) -> str:
+                self._reply = response.choices[0].message.content or ""
+                return joined(handoff, response)
+            mode.text = noted
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._upstream, name)
 
     async def continue_text(self, handoff, *args, **kwargs):
+        self._reply = None
         got = await self._upstream.continue_text(handoff, *args, **kwargs)
-        self.joins.append({"answer_end": split(handoff)[1][-30:], "text": got.text})
+        log = {"answer_end": split(handoff)[1][-30:], "text": got.text}
+        self.joins.append(log if self._reply is None else {**log, "reply": self._reply})
         return got
 
 
@@ -73,13 +82,13 @@ def mode_upstream(models: Models, options: ModelOptions, mode: str) -> Any:
 
 async def run_modes(args: argparse.Namespace) -> None:
     items = load_items("csqa", DATA, args.rows)
-    options = ModelOptions(local=args.local, upstream=args.upstream, threads=args.threads)
+    options = ModelOptions(local=args.local, upstream=args.upstream, threads=args.threads, router=args.router)
     models = await open_models(options, with_upstream=True)
     try:
         upstreams = {mode: Logged(mode_upstream(models, options, mode)) for mode in args.modes}
         for item in items:
             for mode, upstream in upstreams.items():
-                if mode == "tokens":  # neither continues a partial answer
+                if mode == "tokens" and not args.plain:  # neither continues a partial answer
                     await run(RunPlan("csqa", [item], [parse_config("local"), parse_config("upstream")],
                                       args.out / mode, args.max_tokens), models)
                 plan = RunPlan("csqa", [item], [parse_config(args.config)], args.out / mode, args.max_tokens)
@@ -105,9 +114,9 @@ def joined_words(joins: list[dict[str, str]]) -> list[str]:
             if j["answer_end"][-1:].isalnum() and j["text"][:1].isalnum()]
 
 
-def read_joins(path: Path, wanted: set[str]) -> dict[str, list[dict[str, str]]]:
-    """Item id -> the hand-offs of its answer (the last log of an item wins, as records do)."""
-    return {log["id"]: log["joins"] for log in read_records(path) if log["id"] in wanted}
+def read_joins(path: Path, wanted: set[str], config: str) -> dict[str, list[dict[str, str]]]:
+    """Item id -> the hand-offs of its answer under `config` (the last log of an item wins, as records do)."""
+    return {log["id"]: log["joins"] for log in read_records(path) if log["id"] in wanted and log["config"] == config}
 
 
 def report(args: argparse.Namespace) -> None:
@@ -117,7 +126,7 @@ def report(args: argparse.Namespace) -> None:
                       if r["id"] in wanted} for mode in args.modes}
     plain = {name: {r["id"]: r for r in read_records(records_path(args.plain or args.out / "tokens", "csqa", name))
                     if r["id"] in wanted} for name in ("local", "upstream")}
-    joins = {mode: read_joins(args.out / mode / "joins.jsonl", wanted) for mode in args.modes}
+    joins = {mode: read_joins(args.out / mode / "joins.jsonl", wanted, args.config) for mode in args.modes}
     common = sorted(set.intersection(*(set(r) for r in [*records.values(), *plain.values()])))
     words = lexicon(items, [r["text"] for by_id in plain.values() for r in by_id.values()])
     print(f"{len(common)} items answered by every mode; config {args.config}; max_tokens {args.max_tokens}\n")
@@ -170,9 +179,10 @@ def main() -> None:
     parser.add_argument("--local", default="smollm2-135m-instruct")
     parser.add_argument("--upstream", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--router", help="a learned router file, for learned@S configs")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--plain", type=Path, help="report: where the local and upstream-only records are "
-                        "(default: OUT/tokens)")
+    parser.add_argument("--plain", type=Path, help="where the local and upstream-only records are (default: "
+                        "OUT/tokens); run decodes them only where this is not given")
     parser.add_argument("--max-tokens", type=int, default=32)  # CommonsenseQA's cap in the studies
     args = parser.parse_args()
     if args.command == "run":
