@@ -8,10 +8,11 @@ config, and the words a hand-off's join broke.
 `run` decodes with the eval harness's own runner (fitting/runner.py): one llama-server (tokens mode,
 as `python -m eval run` launches it) reached through a litellm upstream per mode, records written
 as `python -m eval run` writes them (results/join/<mode>/csqa__<config>.jsonl, resumable), item by
-item through every mode. `local` and `upstream` are decoded once, in tokens/. Each routed answer's
-hand-offs (the end of the answer each continued and the text joined to it) go to
-results/join/<mode>/joins.jsonl. Both are gzipped once a run is done, as results/runs/ are. Chat
-modes send no template, as an OpenAI user's upstream does.
+item through every mode. `local` and `upstream` are decoded once, in tokens/ (or read from
+`--plain`). Each routed answer's hand-offs (the end of the answer each continued, the text joined to
+it and a chat mode's reply as sent) go to results/join/<mode>/joins.jsonl. Both are gzipped once a
+run is done, as results/runs/ are. Chat modes send no template, as an OpenAI user's upstream does.
+`--local`, `--upstream` and `--router` (for `learned@S`) pick another pair and router.
 
 `report`: accuracy per mode, paired with tokens mode, and how its hand-offs were joined: those
 whose text starts with a letter or digit right after one of the answer's, and of the words across
