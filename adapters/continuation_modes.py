@@ -275,7 +275,7 @@ class ChatFallbackMode(ChatMode):
         return [{"role": "assistant", "content": answer}, {"role": "user", "content": instruction}]
 
     def strip(self, answer: str, reply: str) -> str:
-        """What follows the reply's echo of the answer's end (`strip_echo`: it may repeat more, as
+        """What follows the reply's echo of the answer's end (`echo_length`: it may repeat more, as
         far as the whole answer), with the reply's own word boundary; nothing where it repeats less
         (no continuation). After whitespace the answer's own is kept; after an answer without a
         word (nothing to repeat) the reply is kept as sent."""
@@ -283,9 +283,10 @@ class ChatFallbackMode(ChatMode):
         if not end:
             return reply
         body, head = answer.rstrip(), reply.lstrip()
-        rest = strip_echo(body, head, min_overlap=len(end))
-        if len(head) - len(rest) < len(end):
+        echoed = echo_length(body, head, len(end))
+        if echoed < len(end):
             return ""
+        rest = head[echoed:]
         return rest.lstrip() if body != answer else rest
 
     def dropped(self, text: str, response: Any) -> bool:
@@ -384,6 +385,22 @@ def strip_echo(answer: str, text: str, min_overlap: int = 4) -> str:
         if answer.endswith(text[:size]) and (size >= min_overlap or whole_words(answer, text, size)):
             return text[size:]
     return text
+
+
+def echo_length(answer: str, reply: str, min_overlap: int) -> int:
+    """How much of `reply`'s start repeats the end of `answer` (`strip_echo`). A reply starts a
+    sentence, so its echo may be capitalised ("for" repeated as "For"): that counts where the echo
+    is a whole word of the reply ("For a", not the "A" of "After" for an answer ending in "a")."""
+    exact = len(reply) - len(strip_echo(answer, reply, min_overlap))
+    if exact >= min_overlap:
+        return exact
+    capitalised = len(reply) - len(strip_echo(folded(answer), folded(reply), min_overlap))
+    return capitalised if not reply[capitalised:capitalised + 1].isalnum() else exact
+
+
+def folded(text: str) -> str:
+    """`text` in lower case, character for character (a character whose lower case is longer is kept)."""
+    return "".join(c.lower() if len(c.lower()) == 1 else c for c in text)
 
 
 def answer_end(answer: str) -> str:

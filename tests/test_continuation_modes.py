@@ -175,6 +175,13 @@ ECHOES = {
     ("A", "A. packaging"): ". packaging",
     ("A", "B"): "",  # a restart: the model's own option letter
     ("A person looking for", "B. compliments"): "",
+    ("A person looking for", "For a"): " a",  # the echo capitalised, as a reply's first word is
+    ("themselves with creative", "Creative,"): ",",
+    ("a puzzle is likely to", "A person"): "",  # a capital is no echo of another word
+    ("you might experience a", "After cleaning"): "",  # ... nor the start of one
+    ("folding is a specific", "Specifically"): "",
+    ("it is not a typ", "typing"): "ing",  # the answer's word finished, as written
+    ("The farmer's market is the", "the farmer"): " farmer",  # an exact echo first: not the answer's start again
     ("A B.", "B. C"): " C",
     (TYPED + "\n1.", "1. Save"): " Save",
     ("The co", "computer"): "mputer",  # the whole end repeated, however short
