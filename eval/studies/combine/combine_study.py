@@ -34,7 +34,7 @@ from adapters.memory_store import MemoryStore
 from adapters.store import Limits
 from fitting.answers import score
 from fitting.configs import parse_config
-from fitting.datasets import Item, load_items
+from fitting.datasets import MAX_TOKENS, Item, load_items
 from fitting.records import append_record, read_records, records_path
 from fitting.runner import RunPlan, run
 from fitting.summary import bootstrap_ci, mcnemar_p
@@ -178,7 +178,8 @@ def plot(args: argparse.Namespace) -> None:
     axis.axhline(accuracy(records["upstream"], common), linestyle="--", color="grey", label="upstream asked directly")
     axis.set_xlabel("routed share of answer tokens")
     axis.set_ylabel("accuracy")
-    axis.set_title(f"{args.dataset}, {len(common)} held-out items (rows {args.rows})", fontsize=9)
+    axis.set_title(f"{args.dataset}, {len(common)} {'dev' if args.dev else 'held-out'} items (rows {args.rows})",
+                   fontsize=9)
     axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(args.out / f"{args.dataset}-curve.png", dpi=120)
@@ -200,8 +201,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--minutes", type=float, default=18.0, help="run: stop starting items after this long")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--max-tokens", type=int, default=32)  # CommonsenseQA's cap in the studies
+    parser.add_argument("--max-tokens", type=int, help="the answer's cap (default: the dataset's in the "
+                        "eval harness, 32 for CommonsenseQA)")
     args = parser.parse_args()
+    args.max_tokens = args.max_tokens or MAX_TOKENS[args.dataset]
     if args.command == "run":
         asyncio.run(run_study(args))
     else:
