@@ -80,8 +80,12 @@ class Handoff:
 
 
 class ContinuingMode:
-    """What a mode whose reply always continues the answer shares: nothing is dropped, and a call
-    bills no more completion tokens than the span it asks for."""
+    """What a mode whose reply always continues the answer shares: nothing is dropped, a call bills
+    no more completion tokens than the span it asks for, and text is counted in the provider's tokens."""
+
+    _vocab: Vocabulary | None = None  # the upstream's own tokenizer, where known
+    _model = "gpt-4o"  # whose tokenizer litellm counts with where the vocabulary is unknown
+    read_ahead: ClassVar[int] = 0  # tokens a call reads past its span unless the upstream says (`read_ahead`)
 
     def dropped(self, text: str, response: Any) -> bool:
         """Whether the reply was dropped as no continuation (see ChatFallbackMode): never here."""
@@ -90,6 +94,25 @@ class ContinuingMode:
     def completion_tokens(self, handoff: Handoff, span: int) -> int:
         """The most completion tokens a call for `span` answer tokens may bill."""
         return span
+
+    def tokens(self, text: str) -> int:
+        """Tokens of `text` as the provider counts them: the upstream's own vocabulary where known,
+        else litellm's tokenizer for the model (OpenAI's where it has none of its own)."""
+        if self._vocab is not None:
+            return len(self._vocab.text_ids(text.encode("utf-8")))
+        return litellm().token_counter(model=self._model, text=text)
+
+    def pieces(self, text: str) -> list[str]:
+        """`text` in the provider's tokens, each piece whole characters (a character that spans
+        tokens goes with the token it ends in)."""
+        if self._vocab is not None:
+            data = [self._vocab.token_bytes(i) for i in self._vocab.text_ids(text.encode("utf-8"))]
+            heads = (b"".join(data[:n]).decode("utf-8", errors="replace") for n in range(1, len(data)))
+        else:
+            ids = litellm().encode(model=self._model, text=text)
+            heads = (litellm().decode(model=self._model, tokens=ids[:n]) for n in range(1, len(ids)))
+        ends = [len(head) for head in heads if text.startswith(head)] + [len(text)]
+        return [text[start:end] for start, end in zip([0, *ends], ends) if end > start]
 
 
 class TokensMode(ContinuingMode):
@@ -234,12 +257,6 @@ class ChatMode(TextMode):
         """`reply` without the answer it repeats first (llama-server sends back a prefilled answer)."""
         return reply[len(answer):] if answer and reply.startswith(answer) else reply
 
-    def tokens(self, text: str) -> int:
-        """Tokens of `text` as the provider counts them: the upstream's own vocabulary where known,
-        else litellm's tokenizer for the model (OpenAI's where it has none of its own)."""
-        if self._vocab is not None:
-            return len(self._vocab.text_ids(text.encode("utf-8")))
-        return litellm().token_counter(model=self._model, text=text)
 
 
 class ChatContinueMode(ChatMode):
@@ -257,7 +274,12 @@ class ChatPrefixMode(ChatMode):
 class ChatFallbackMode(ChatMode):
     """A chat-only provider asked to continue mostly answers the question afresh instead (a small
     model writes its own option letter after the answer's start: "A" + "B"). So the reply is asked
-    to repeat the answer's end first (`answer_end`), and only a reply that does continues it."""
+    to repeat the answer's end first (`answer_end`), and only a reply that does continues it. Each
+    call is a new turn, which may restate the answer where one turn would go on with it ("The" +
+    "garage is ..." where the same model writes "The" + "correct answer is C."), so a call reads
+    ahead by default: the next routed steps take the upstream's own continuation of its text."""
+
+    read_ahead = 8
 
     async def call(self, handoff: Handoff, common: dict[str, Any], extra_body: dict[str, Any]) -> Any:
         """The span's tokens are asked for after the echo's."""

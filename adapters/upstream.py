@@ -64,6 +64,8 @@ class Continuation:
     cached_tokens: int = 0  # prompt tokens the upstream read from its cache
     compute_ms: float | None = None  # the upstream's own prompt + generation time, where it reports it
     first: Alternatives | None = None  # its first token's alternatives, where asked for and returned
+    ahead: tuple[str, ...] = ()  # what it wrote past the span where asked to read ahead, in the provider's
+    # tokens (`finished` is after them)
 
 
 class Continuations(Protocol):
@@ -78,6 +80,9 @@ class Continuations(Protocol):
 
     @property
     def worst_case_s(self) -> float: ...  # the longest one `continue_text` call can take
+
+    @property
+    def read_ahead(self) -> int: ...  # tokens a hand-off asks past its span (`continue_text`'s `ahead`)
 
     def handoff(self, messages: list[dict[str, Any]], continue_final: bool = False,
                 scope: str = "shared") -> Handoff: ...
@@ -98,7 +103,7 @@ class Continuations(Protocol):
     def prices(self) -> Prices: ...  # USD per token (adapters.pricing)
 
     async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
-                            seed: int | None, extra: dict[str, Any] | None = None) -> Continuation: ...
+                            seed: int | None, extra: dict[str, Any] | None = None, ahead: int = 0) -> Continuation: ...
 
 
 class Upstream:
@@ -154,6 +159,13 @@ class Upstream:
         """The longest one `continue_text` call can take (every attempt timing out)."""
         return self.settings.timeout_s * (self.settings.retries + 1)
 
+    @property
+    def read_ahead(self) -> int:
+        """Tokens a hand-off asks past its span, for the request's next hand-offs: `read_ahead`, else
+        the mode's default (8 in chat_fallback, else 0)."""
+        given = self.settings.read_ahead
+        return self._mode.read_ahead if given is None else given
+
     def cache_key(self, handoff: Handoff, max_tokens: int, scope: str) -> str:
         """Key of a greedy continuation: everything that changes the upstream's answer, in `scope`
         (a tenant, or the tenants sharing a cache), hashed so no prompt text is stored in a key."""
@@ -193,11 +205,13 @@ class Upstream:
         """Price of a call of this size, `cached_tokens` of its prompt at the cached price."""
         return self.prices.cost(prompt_tokens, completion_tokens, cached_tokens)
 
-    async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float,
-                            top_p: float, seed: int | None, extra: dict[str, Any] | None = None) -> Continuation:
+    async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
+                            seed: int | None, extra: dict[str, Any] | None = None, ahead: int = 0) -> Continuation:
         """Ask the upstream for up to `max_tokens` tokens continuing the answer (`extra`: more
         sampling parameters, such as penalties); a hand-off that asks for `alternatives` gets its
-        first token's likeliest ones too (`Continuation.first`; None from a mode without them).
+        first token's likeliest ones too (`Continuation.first`; None from a mode without them). With
+        `ahead`, as many tokens more are asked for in the same call and returned apart
+        (`Continuation.ahead`, split where the provider's tokens count `max_tokens`).
 
         Transient failures are retried up to `retries` times and count against the circuit
         breaker, except 5xx answers to a call carrying the client's own `seed` or `extra`
@@ -214,7 +228,7 @@ class Upstream:
                 raise UpstreamUnavailable(f"circuit breaker open for upstream '{self.name}'") from last
             started = time.monotonic()
             try:
-                response = await self._call(handoff, max_tokens, temperature, top_p, seed, extra or {})
+                response = await self._call(handoff, max_tokens + ahead, temperature, top_p, seed, extra or {})
             except (openai.OpenAIError, httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
                 failure = failure_of(exc, client_values)
                 note_failed_attempt(failure, exc)
@@ -227,7 +241,7 @@ class Upstream:
                 self._breaker.abandon(trial)
                 raise
             self._breaker.record(True, time.monotonic(), trial)
-            return self._continuation(handoff, response, time.monotonic() - started)
+            return self._continuation(handoff, response, time.monotonic() - started, max_tokens if ahead else None)
         failed = UpstreamFailedRequest if failure == "request" else UpstreamUnavailable
         raise failed(f"upstream '{self.name}' failed: {type(last).__name__}: {last}") from last
 
@@ -245,20 +259,26 @@ class Upstream:
         async with self.isolation.lease(handoff.scope, handoff.request_key) as isolated:
             return await self._mode.call(handoff, common, {**s.extra_body, **isolated})
 
-    def _continuation(self, handoff: Handoff, response: Any, latency_s: float) -> Continuation:
+    def _continuation(self, handoff: Handoff, response: Any, latency_s: float, span: int | None) -> Continuation:
+        """The reply as a continuation; with `span`, the text past that many tokens kept apart (`ahead`)."""
         choice = response.choices[0]
-        text = self._mode.text(handoff, response)
+        whole = self._mode.text(handoff, response)
+        text, ahead = whole, ()
+        if span:
+            pieces = self._mode.pieces(whole)
+            text, ahead = "".join(pieces[:span]), tuple(pieces[span:])
         usage = self.billed_usage(response)
         prompt_tokens = usage.prompt_tokens or self.estimate_prompt_tokens(handoff)
         completion_tokens = usage.completion_tokens
         if completion_tokens is None:
-            completion_tokens = litellm().token_counter(model="gpt-4o", text=text)
+            completion_tokens = litellm().token_counter(model="gpt-4o", text=whole)
         return Continuation(
-            text=text, finished=choice.finish_reason == "stop" and not self._mode.dropped(text, response),
+            text=text, finished=choice.finish_reason == "stop" and not self._mode.dropped(whole, response),
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             cost_usd=self.estimate_cost(prompt_tokens, completion_tokens, usage.cached_tokens), latency_s=latency_s,
             cached_tokens=usage.cached_tokens, compute_ms=usage.compute_ms,
             first=first_alternatives(response) if handoff.alternatives and self._mode.gives_alternatives else None,
+            ahead=ahead,
         )
 
 

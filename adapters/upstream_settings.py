@@ -75,6 +75,11 @@ class UpstreamSettings(Strict):
         None, ge=0, description="The shortest prompt the provider caches (OpenAI, Anthropic: 1,024; DeepSeek: 64; "
         "self-hosted: 0); default: by the model name's provider, 0 for text-completion-openai/ servers. Used to "
         "predict what a hand-off bills (gateway_handoff_cost_prediction metric).")
+    read_ahead: int | None = Field(
+        None, ge=0, le=64, description="Tokens a hand-off asks for past its span, in the same call (billed). While the "
+        "answer goes on as they read (the local model writes the same text, or nothing, before the next routed step), "
+        "the request's next hand-offs take them instead of calling again. Default: 8 in chat_fallback, where each call "
+        "is a new turn that may restate the answer rather than continue it; 0 elsewhere.")
     warm: bool = Field(
         False, description="tokens mode: send the prompt (no answer) when a routed request starts, so the "
         "upstream's cache holds it by the first hand-off.")

@@ -127,7 +127,7 @@ class PrefixGrammar:
 @dataclass
 class FakeUpstream:
     """Continues towards its own `target` text, `chars_per_token` characters per requested token,
-    billing the tokens it wrote."""
+    billing the tokens it wrote (those read `ahead` returned apart, `chars_per_token` a piece)."""
 
     target: str
     chars_per_token: int = 2
@@ -137,6 +137,7 @@ class FakeUpstream:
     available: bool = True
     worst_case_s: float = 1.0
     warms: bool = False
+    read_ahead: int = 0
     cached_share: float = 0.0  # of each call's prompt tokens, billed as read from the cache
     calls: list[Handoff] = field(default_factory=list)
     extras: list[dict] = field(default_factory=list)  # each call's extra sampling parameters
@@ -165,7 +166,7 @@ class FakeUpstream:
         return self.prices.cost(prompt_tokens, completion_tokens, cached_tokens)
 
     async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
-                            seed: int | None, extra: dict | None = None) -> Continuation:
+                            seed: int | None, extra: dict | None = None, ahead: int = 0) -> Continuation:
         self.calls.append(handoff)
         self.extras.append(extra or {})
         if self.delay_s:
@@ -173,14 +174,17 @@ class FakeUpstream:
         if self.fail or (self.fail_after is not None and len(self.calls) > self.fail_after):
             raise UpstreamUnavailable("scripted failure")
         rest = self.target[len(handoff.answer):] if self.target.startswith(handoff.answer) else ""
-        text = rest[: max_tokens * self.chars_per_token]
+        size = self.chars_per_token
+        text = rest[: (max_tokens + ahead) * size]
         prompt, finished = self.estimate_prompt_tokens(handoff), len(text) == len(rest)
         cached = int(prompt * self.cached_share)
-        # its tokens and, if it ended, the end token, all within max_tokens, as a server bills them
-        written = min(max(1, max_tokens), -(-len(text) // self.chars_per_token) + finished)
-        return Continuation(text, finished=finished, prompt_tokens=prompt, completion_tokens=written,
+        # its tokens and, if it ended, the end token, all within what was asked, as a server bills them
+        written = min(max(1, max_tokens + ahead), -(-len(text) // size) + finished)
+        head, past = text[: max_tokens * size], text[max_tokens * size:]
+        pieces = tuple(past[i:i + size] for i in range(0, len(past), size)) if ahead else ()
+        return Continuation(head, finished=finished, prompt_tokens=prompt, completion_tokens=written,
                             cost_usd=self.estimate_cost(prompt, written, cached), latency_s=self.delay_s,
-                            cached_tokens=cached, compute_ms=5.0)
+                            cached_tokens=cached, compute_ms=5.0, ahead=pieces)
 
 
 def synthetic(n: int, seed: int) -> list[dict]:

@@ -12,7 +12,7 @@ import pytest
 from adapters.continuation_modes import Alternatives, first_alternatives, gives_alternatives
 from adapters.upstream import Continuation
 from gateway.config_checks import check_routing
-from gateway.decoding.handoffs import cache_entry, cached_written
+from gateway.decoding.handoffs import cache_entry, cached_continuation
 from gateway.settings import RoutingOverride, RoutingSettings, Settings, SettingsError
 from gateway.tenancy.routing import resolve_routing
 from policies.combine import CombineParams, TokenIndex, combine, log_softmax
@@ -105,12 +105,13 @@ def test_first_alternatives_read_llama_server_and_legacy_shapes():
     assert first_alternatives(SimpleNamespace(choices=[SimpleNamespace(logprobs=None)])) is None
 
 
-def test_cache_entries_keep_the_alternatives_bytes_exactly():
+def test_cache_entries_keep_the_alternatives_bytes_and_what_was_read_ahead_exactly():
     first = Alternatives(b"\xf0\x9f", ((b"\xf0\x9f", -0.2), (b" x", -1.0)))
-    entry = cache_entry(Continuation("é x", True, 1, 1, 0.0, 0.0, first=first), alternatives=True)
-    written = cached_written(entry, alternatives=True)
-    assert (written.text, written.finished, written.first) == ("é x", True, first)
-    assert cached_written(cache_entry(Continuation("ab", False, 1, 1, 0.0, 0.0), False), False).text == "ab"
+    entry = cache_entry(Continuation("é x", True, 1, 1, 0.0, 0.0, first=first, ahead=(" y", "é")), structured=True)
+    cached = cached_continuation(entry, structured=True)
+    assert (cached.text, cached.finished, cached.first, cached.ahead) == ("é x", True, first, (" y", "é"))
+    plain = cached_continuation(cache_entry(Continuation("ab", False, 1, 1, 0.0, 0.0), False), False)
+    assert (plain.text, plain.finished, plain.completion_tokens) == ("ab", False, 0)
 
 
 def test_combine_settings_travel_as_one_rule_and_a_request_may_override_them():

@@ -11,7 +11,9 @@ import pytest
 
 from adapters.continuation_modes import answer_end, mode_for
 from adapters.litellm_client import litellm
+from adapters.model_files import resolve_model
 from adapters.upstream import Upstream
+from adapters.vocabulary import Vocabulary
 from gateway.runtime import make_upstream
 from gateway.settings import UpstreamSettings
 from tests.conftest import SMOL
@@ -167,6 +169,30 @@ async def test_a_reply_that_starts_the_answer_again_adds_only_what_is_new(restar
                  for partial in ("The", "The comp", "The computer user, working")}
     assert restarted == {"The": "The computer user,", "The comp": "The computer user,",  # its own boundary
                          "The computer user, working": "The computer user, working"}  # nothing new yet
+
+
+@pytest.mark.parametrize("template", [None, SMOL])
+async def test_a_call_that_reads_ahead_returns_its_span_and_what_follows_apart(repeating, template):
+    """Asked for 1 token and 3 more ahead, the reply of a 4-token call: its first token as the
+    provider's tokenizer counts it, then the rest in tokens, each of whole characters."""
+    upstream = make_upstream("up", UpstreamSettings(model="openai/x", api_base=repeating, mode="chat_fallback",
+                                                    retries=0, template_gguf=template))
+    handoff = upstream.with_answer(upstream.handoff(QUESTION), "The")
+    whole = await upstream.continue_text(handoff, 4, 0.0, 1.0, None)
+    read = await upstream.continue_text(handoff, 1, 0.0, 1.0, None, ahead=3)
+    assert (read.text, "".join(read.ahead)) == (" computer", whole.text[len(" computer"):]) and not whole.ahead
+    assert whole.text == " computer user, working late," and all(read.ahead)
+    assert read.completion_tokens == whole.completion_tokens
+
+
+@pytest.mark.parametrize("template", [None, SMOL])
+def test_text_read_ahead_is_split_into_tokens_with_no_character_lost_or_cut(template):
+    vocab = Vocabulary(resolve_model(template)) if template else None
+    mode = mode_for("chat_fallback", "openai/x", vocab, str)
+    text = " naïve café, 日本語 😀 ok"  # characters of two, three and four bytes
+    pieces = mode.pieces(text)
+    assert "".join(pieces) == text and all(pieces) and len(pieces) > 6
+    assert mode.pieces("") == [] and mode.pieces("x") == ["x"]
 
 
 NEST = "A. bird's nest\n"

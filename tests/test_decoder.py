@@ -20,7 +20,7 @@ from gateway.decoding.cost_ceiling import CostCeiling, cost_ratio
 from gateway.decoding.decoder import DecodeRequest, Decoding
 from gateway.decoding.signals import Sampling
 from gateway.decoding.values import RequestRouting
-from gateway.settings.routing_values import AnswerReview, CeilingRule, HandoffRule
+from gateway.settings.routing_values import AnswerReview, CeilingRule, CombineRule, HandoffRule
 from gateway.tenancy.budget import HandoffGate, Ledger
 from policies import LOCAL, RecentValues, build_policy
 from policies.base import PolicyDefaults
@@ -31,11 +31,11 @@ VOCAB = ["Par", "is", "Paris", " is", " nice", " big", *sorted(set("Paris is nic
 
 def make(local, upstream, policy="always", max_tokens=20, span=1, stop=(), limits=Limits(), store=None,
          span_until="tokens", grammar=None, prompt=None, ceiling=None, choice=0,
-         escalation="continue", held=False, tenant="t", cache_scope="", **kw):
+         escalation="continue", held=False, tenant="t", cache_scope="", combine=CombineRule(), **kw):
     store = store or MemoryStore()
     gate = HandoffGate(Ledger(store), tenant, limits, allowed=True, cache_scope=cache_scope)
     routing = RequestRouting(build_policy(policy, **kw), HandoffRule(span, span_until), ceiling,
-                             AnswerReview(escalation=escalation, held=held))
+                             AnswerReview(escalation=escalation, held=held), combine=combine)
     request = DecodeRequest(messages=[{"role": "user", "content": "q"}], max_tokens=max_tokens, routing=routing,
                             stop=stop, grammar=grammar, prompt=prompt, choice=choice)
     return Decoding(local, upstream, gate, request), store
@@ -551,7 +551,7 @@ async def test_a_store_outage_skips_one_hand_off_not_the_rest_of_the_request():
 ])
 async def test_a_rejected_hand_off_is_not_tried_again_in_the_request(error, reason):
     class Rejecting(FakeUpstream):
-        async def continue_text(self, handoff, *args):
+        async def continue_text(self, handoff, *args, **kwargs):
             self.calls.append(handoff)
             raise error
 
@@ -571,6 +571,67 @@ async def test_a_handoff_reserves_every_completion_token_its_call_bills():
 
     store = MemoryStore()
     upstream = Echoing("Paris", delay_s=0.3)
+    decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, store=store)
+    task = asyncio.create_task(run(decoding))
+    await asyncio.sleep(0.1)
+    held = 1000 - (await store.headroom("t", Limits(day_tokens=1000), time.time())).tokens
+    assert held == upstream.estimate_prompt_tokens(upstream.calls[0]) + 1 + 3
+    await task
+
+
+async def test_the_next_routed_steps_take_what_a_call_read_ahead_without_calling():
+    """A call reads 3 tokens past its span; while the answer goes on as they read, the next routed
+    steps are written from them: the same answer for a quarter of the calls."""
+    texts, calls = [], []
+    for read_ahead in (0, 3):
+        upstream = FakeUpstream("Paris is nice.", read_ahead=read_ahead)
+        decoding, _ = make(FakeLocalModel(VOCAB, "Paris is big."), upstream)
+        texts.append("".join(p.text for p in await run(decoding)))
+        calls.append(len(upstream.calls))
+        invariant(decoding)
+    assert texts == ["Paris is nice."] * 2
+    assert calls == [7, 2]  # 7 pieces of 2 characters (the last ends the answer): 1 + 3 read ahead a call
+    assert decoding.source_counts()["cache"] > 0
+
+
+async def test_what_was_read_ahead_is_dropped_once_the_local_model_writes_something_else():
+    """Routed at the first step and again after the local model wrote "ris big" where the upstream
+    had read "ris is" ahead: the second step asks the upstream, nothing is taken from the first."""
+    upstream = FakeUpstream("Paris is nice.", read_ahead=3)
+    local = FakeLocalModel(VOCAB, "Paris big.", uncertain_at=frozenset({0, 5}), lean=2.0)
+    decoding, _ = make(local, upstream, policy="entropy", threshold=1.0)
+    pieces = await run(decoding)
+    assert [(p.text, p.source) for p in pieces[:4]] == [("Pa", "upstream"), ("r", "local"), ("is", "local"),
+                                                        (" big", "local")]
+    assert [call.answer for call in upstream.calls] == ["", "Paris big"]
+    assert decoding.source_counts()["cache"] == 0
+
+
+async def test_a_combined_step_reads_nothing_ahead():
+    """A combined step needs the upstream's alternatives at its own position: a call per step."""
+    upstream = FakeUpstream("Paris is nice.", read_ahead=3)
+    decoding, _ = make(FakeLocalModel(VOCAB, "Paris is big."), upstream, combine=CombineRule("fuse"))
+    await run(decoding)
+    assert len(upstream.calls) == 7 and all(call.alternatives for call in upstream.calls)
+    assert decoding.source_counts()["cache"] == 0
+
+
+async def test_a_request_like_an_earlier_one_takes_what_was_read_ahead_from_the_cache_too():
+    """Steps written from what a call read ahead were never asked alone, so the cache keeps what was
+    read ahead with the step: a request like it writes the same answer with no call (an upstream
+    asked anew at those steps could answer otherwise: this one would write "big")."""
+    store = MemoryStore()
+    first, _ = make(FakeLocalModel(VOCAB, ""), FakeUpstream("Paris is nice.", read_ahead=3), store=store)
+    await run(first)
+    upstream = FakeUpstream("Paris is big.", read_ahead=3)
+    second, _ = make(FakeLocalModel(VOCAB, ""), upstream, store=store)
+    assert "".join(p.text for p in await run(second)) == "Paris is nice." and upstream.calls == []
+    invariant(second)
+
+
+async def test_a_call_that_reads_ahead_reserves_what_it_reads():
+    store = MemoryStore()
+    upstream = FakeUpstream("Paris", delay_s=0.3, read_ahead=3)
     decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, store=store)
     task = asyncio.create_task(run(decoding))
     await asyncio.sleep(0.1)

@@ -75,7 +75,7 @@ async def test_a_call_that_finds_no_slot_in_time_is_busy_not_failed():
 
 
 class BusyUpstream(FakeUpstream):
-    async def continue_text(self, handoff, max_tokens, temperature, top_p, seed, extra=None):
+    async def continue_text(self, handoff, max_tokens, temperature, top_p, seed, extra=None, ahead=0):
         self.calls.append(handoff)
         raise UpstreamBusy("no slot came free")
 

@@ -212,7 +212,7 @@ class Decoding:
         """What the hand-off wrote (None: nothing), and the guesses made while it was in flight."""
         billed_before, sent = self.usage.upstream_cost_usd, time.monotonic()
         handoff, until = self._escalation.handoff, self._escalation.span_until
-        call = asyncio.ensure_future(self.calls.timed(handoff, ask.span, until, sent))
+        call = asyncio.ensure_future(self.calls.timed(handoff, ask.span, until, sent, read_ahead=not ask.to_limit))
         try:
             guesses = await self._guessing.guess(sequence, logits, signal, call, sent)
             return await call, guesses

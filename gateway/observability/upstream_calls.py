@@ -47,6 +47,10 @@ class MeteredUpstream:
     def worst_case_s(self) -> float:
         return self.inner.worst_case_s
 
+    @property
+    def read_ahead(self) -> int:
+        return self.inner.read_ahead
+
     def handoff(self, messages: list[dict[str, Any]], continue_final: bool = False, scope: str = "shared") -> Handoff:
         return self.inner.handoff(messages, continue_final, scope)
 
@@ -73,11 +77,11 @@ class MeteredUpstream:
         return self.inner.estimate_cost(prompt_tokens, completion_tokens, cached_tokens)
 
     async def continue_text(self, handoff: Handoff, max_tokens: int, temperature: float, top_p: float,
-                            seed: int | None, extra: dict[str, Any] | None = None) -> Continuation:
+                            seed: int | None, extra: dict[str, Any] | None = None, ahead: int = 0) -> Continuation:
         m, alias = self._metrics, self._alias
         with TRACER.start_as_current_span(UPSTREAM_CALL, kind=SpanKind.CLIENT) as span:
             span.set_attributes(self._call_attributes(max_tokens))
-            call = self.inner.continue_text(handoff, max_tokens, temperature, top_p, seed, extra)
+            call = self.inner.continue_text(handoff, max_tokens, temperature, top_p, seed, extra, ahead)
             if not self.inner.available:
                 m.upstream_errors.labels(alias, "circuit_open").inc()
                 return await call  # raises UpstreamUnavailable
