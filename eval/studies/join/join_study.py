@@ -65,19 +65,20 @@ class Logged:
     async def continue_text(self, handoff, *args, **kwargs):
         self._reply = None
         got = await self._upstream.continue_text(handoff, *args, **kwargs)
-        log = {"answer_end": split(handoff)[1][-30:], "text": got.text}
+        log = {"answer_end": split(handoff)[1][-30:], "text": got.text, **({"ahead": "".join(got.ahead)} if got.ahead else {})}
         self.joins.append(log if self._reply is None else {**log, "reply": self._reply})
         return got
 
 
-def mode_upstream(models: Models, options: ModelOptions, mode: str) -> Any:
-    """The launched server reached in `mode`: tokens as launched; chat modes with no template."""
+def mode_upstream(models: Models, options: ModelOptions, mode: str, read_ahead: int | None) -> Any:
+    """The launched server reached in `mode`: tokens as launched; other modes with no template, each
+    call reading `read_ahead` tokens past its span."""
     if mode == "tokens":
         return models.upstream
     chat = mode.startswith("chat")
     settings = upstream_settings(options, models.server.api_base, options.upstream).model_copy(update={
         "mode": mode, "model": "openai/eval-upstream" if chat else "text-completion-openai/eval-upstream",
-        "template_gguf": None if chat else options.upstream})
+        "template_gguf": None if chat else options.upstream, "read_ahead": read_ahead})
     return make_upstream("eval-upstream", settings)
 
 
@@ -86,7 +87,7 @@ async def run_modes(args: argparse.Namespace) -> None:
     options = ModelOptions(local=args.local, upstream=args.upstream, threads=args.threads, router=args.router)
     models = await open_models(options, with_upstream=True)
     try:
-        upstreams = {mode: Logged(mode_upstream(models, options, mode)) for mode in args.modes}
+        upstreams = {mode: Logged(mode_upstream(models, options, mode, args.read_ahead)) for mode in args.modes}
         for item in items:
             for mode, upstream in upstreams.items():
                 if mode == "tokens" and not args.plain:  # neither continues a partial answer
@@ -131,7 +132,7 @@ def report(args: argparse.Namespace) -> None:
     common = sorted(set.intersection(*(set(r) for r in [*records.values(), *plain.values()])))
     words = lexicon(items, [r["text"] for by_id in plain.values() for r in by_id.values()])
     print(f"{len(common)} items answered by every mode; config {args.config}; max_tokens {args.max_tokens}\n")
-    print("| mode | accuracy | vs tokens: gained / lost | upstream share of tokens | hand-offs / answer | "
+    print("| mode | accuracy | vs tokens: gained / lost | upstream share of tokens | calls / answer | "
           "joins with no space between letters or digits | glued words (answers) | restarts |")
     print("|---|---|---|---|---|---|---|---|")
     for name, by_id in plain.items():
@@ -145,7 +146,8 @@ def report(args: argparse.Namespace) -> None:
 
 
 def row(name: str, by_id: dict[str, Any], common: list[str], tokens: dict[str, Any] | None) -> str:
-    """Accuracy, paired with tokens mode, the upstream's share of answer tokens and hand-offs per answer."""
+    """Accuracy, paired with tokens mode, the upstream's share of answer tokens (in calls, or read ahead by
+    one) and calls per answer."""
     n = len(common)
     right = sum(by_id[i]["correct"] for i in common)
     paired = ""
@@ -153,9 +155,12 @@ def row(name: str, by_id: dict[str, Any], common: list[str], tokens: dict[str, A
         gained = sum(by_id[i]["correct"] and not tokens[i]["correct"] for i in common)
         lost = sum(tokens[i]["correct"] and not by_id[i]["correct"] for i in common)
         paired = f"{gained} / {lost}"
-    share = sum(by_id[i]["upstream_tokens"] for i in common) / max(1, sum(by_id[i]["answer_tokens"] for i in common))
+    written = max(1, sum(by_id[i]["answer_tokens"] for i in common))
+    read_ahead = sum(by_id[i]["cache_tokens"] for i in common)  # each answer has a cache of its own
+    share = (sum(by_id[i]["upstream_tokens"] for i in common) + read_ahead) / written
     calls = sum(by_id[i]["upstream_calls"] for i in common) / max(1, n)
-    return f"| {name} | {right / max(1, n):.1%} ({right}/{n}) | {paired} | {share:.1%} | {calls:.2f}"
+    ahead = f" ({read_ahead / written:.1%} read ahead)" if read_ahead else ""
+    return f"| {name} | {right / max(1, n):.1%} ({right}/{n}) | {paired} | {share:.1%}{ahead} | {calls:.2f}"
 
 
 def join_cells(joins: dict[str, list[dict[str, str]]], common: list[str], words: set[str],
@@ -184,6 +189,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--plain", type=Path, help="where the local and upstream-only records are (default: "
                         "OUT/tokens); run decodes them only where this is not given")
+    parser.add_argument("--read-ahead", type=int, help="the upstream's read_ahead in every mode but tokens "
+                        "(default: the mode's own, 8 in chat_fallback; the runs before it was built: 0)")
     parser.add_argument("--max-tokens", type=int, default=32)  # CommonsenseQA's cap in the studies
     args = parser.parse_args()
     if args.command == "run":
