@@ -63,8 +63,9 @@ def combine_rule(name: str) -> CombineRule:
     return CombineRule(rule, **{PARAMETERS[k]: float(v) if k != "alternatives" else int(v) for k, v in values.items()})
 
 
-def data_path(dataset: str, dev: bool) -> Path:
-    return ROOT / "data" / DATA[dataset][dev]
+def data_path(args: argparse.Namespace) -> Path:
+    """The rows' file: `--data` where given, else the dataset's held-out (or with --dev, dev) file."""
+    return ROOT / "data" / (args.data or DATA[args.dataset][args.dev])
 
 
 async def decode(models: Models, dataset: str, item: Item, config: str, rule: str, max_tokens: int) -> dict[str, Any]:
@@ -88,7 +89,7 @@ async def decode(models: Models, dataset: str, item: Item, config: str, rule: st
 
 
 async def run_study(args: argparse.Namespace) -> None:
-    items = load_items(args.dataset, data_path(args.dataset, args.dev), args.rows)
+    items = load_items(args.dataset, data_path(args), args.rows)
     models = await open_models(ModelOptions(local=args.local, upstream=args.upstream, threads=args.threads,
                                             router=args.router), with_upstream=True)
     deadline = time.monotonic() + args.minutes * 60
@@ -113,7 +114,7 @@ async def run_study(args: argparse.Namespace) -> None:
 def answered(args: argparse.Namespace) -> tuple[list[str], dict[str, dict[str, dict[str, Any]]], list[str]]:
     """The configs' names (local, upstream, then each config under each rule), their records by item
     id, and the items every one of them answered."""
-    wanted = {item.id for item in load_items(args.dataset, data_path(args.dataset, args.dev), args.rows)}
+    wanted = {item.id for item in load_items(args.dataset, data_path(args), args.rows)}
     names = ["local", "upstream"] + [f"{c}+{r}" for c in args.configs for r in args.rules]
     records = {name: {r["id"]: r for r in read_records(records_path(args.out / ("combined" if "+" in name else ""),
                                                                     args.dataset, name)) if r["id"] in wanted}
@@ -195,6 +196,9 @@ def main() -> None:
     parser.add_argument("--dataset", choices=sorted(DATA), default="csqa")
     parser.add_argument("--dev", action="store_true", help="the dataset's dev rows (to choose parameters on), "
                         "not its held-out slice")
+    parser.add_argument("--data", help="another file of the dataset's under data/ whose --rows nothing was "
+                        "fitted or chosen on (GSM8K: gsm8k_dev300.jsonl rows 200-299, where earlier runs' local "
+                        "and upstream records can be borrowed)")
     parser.add_argument("--router", help="a learned router file, for learned@S configs")
     parser.add_argument("--local", default="smollm2-135m-instruct")
     parser.add_argument("--upstream", default="qwen2.5-coder-0.5b-instruct")
