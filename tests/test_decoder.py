@@ -118,6 +118,15 @@ def test_a_hand_off_is_held_only_if_the_ceiling_holds_whatever_it_writes():
     assert limit.hold(0, 0, call_prompt_tokens=40, span=50) == pytest.approx(40e-6 + 50 * 4e-6)
 
 
+def test_a_hold_counts_what_a_call_bills_beyond_the_answers_tokens():
+    """An echo and the tokens read ahead are billed but raise no ceiling: with 30 of them, a call
+    that fitted without them (the hold above) does not."""
+    limit = CostCeiling(CeilingRule(2.0), Prices(input=1e-6, cached_input=1e-7, output=4e-6), prompt_tokens=100)
+    limit.spent_usd = 1.5e-4
+    assert limit.hold(0, 0, call_prompt_tokens=40, span=50, unwritten=30) is None
+    assert limit.hold(0, 0, call_prompt_tokens=10, span=50, unwritten=8) == pytest.approx(10e-6 + 58 * 4e-6)
+
+
 async def test_a_cost_ceiling_of_one_keeps_the_answer_within_asking_directly():
     limit = ceiling(1.0)
     decoding, _ = make(FakeLocalModel(VOCAB, "Paris is nice."), FakeUpstream("Paris is nice."), ceiling=limit)

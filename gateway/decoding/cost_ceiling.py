@@ -47,24 +47,25 @@ class CostCeiling:
         """What asking the upstream directly for the answers so far (plus `more_tokens`) would cost."""
         return self.prices.direct(self.prompt_tokens, sum(self.answered.values()) + more_tokens)
 
-    def hold(self, choice: int, answered: int, call_prompt_tokens: int, span: int) -> float | None:
+    def hold(self, choice: int, answered: int, call_prompt_tokens: int, span: int, unwritten: int = 0) -> float | None:
         """Hold the worst case of a hand-off of this size by choice `choice`, `answered` tokens into
-        its answer, if it keeps the request under the ceiling; None if it would not."""
+        its answer, if it keeps the request under the ceiling; None if it would not. `unwritten`:
+        completion tokens the call bills beyond the answer's (an echo, what it reads ahead)."""
         self.note(choice, answered)
-        if self.ratio is not None and not self._fits(call_prompt_tokens, span):
+        if self.ratio is not None and not self._fits(call_prompt_tokens, span, unwritten):
             return None
-        worst = self.prices.worst_case(call_prompt_tokens, span)
+        worst = self.prices.worst_case(call_prompt_tokens, span + unwritten)
         self.held_usd += worst
         return worst
 
-    def _fits(self, call_prompt_tokens: int, span: int) -> bool:
+    def _fits(self, call_prompt_tokens: int, span: int, unwritten: int) -> bool:
         """Whether the request stays under the ceiling whatever the call writes, if the answer ends
         there. Its bill and what asking directly costs both grow linearly in the tokens it writes,
         so writing none and writing all `span` bound every outcome: with a ratio above 1 the call
         that writes nothing binds (its prompt is paid for without the answer's tokens that would
         raise the ceiling), below 1 the one that writes all."""
         committed = self.spent_usd + self.held_usd
-        return all(committed + self.prices.worst_case(call_prompt_tokens, written)
+        return all(committed + self.prices.worst_case(call_prompt_tokens, written + unwritten)
                    <= self.ratio * self.direct_usd(written) for written in (0, span))
 
     def settle(self, held: float, billed_usd: float) -> None:

@@ -131,8 +131,10 @@ class Escalation:
         routing = self._routing
         if not routing.capped_cost or (self._usage.escalated and routing.escalates_past_ceiling):
             return 0.0
+        upstream = self._upstream  # held as if the call reads ahead (not where it writes to the limit or combines)
+        unwritten = upstream.estimate_completion_tokens(self.handoff, span + upstream.read_ahead) - span
         held = routing.ceiling.hold(self._choice, self._answer.direct_length,
-                                    self._upstream.estimate_prompt_tokens(self.handoff), span)
+                                    upstream.estimate_prompt_tokens(self.handoff), span, unwritten)
         if held is None:
             self._usage.degrade("cost_ceiling")
             if not routing.escalates_past_ceiling:
