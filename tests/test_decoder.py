@@ -571,15 +571,19 @@ async def test_a_rejected_hand_off_is_not_tried_again_in_the_request(error, reas
     assert decoding.usage.degraded == [reason]
 
 
-async def test_a_handoff_reserves_every_completion_token_its_call_bills():
-    """A chat_fallback reply starts with the answer's end repeated: completion tokens beyond the span
-    that the provider bills, so they are reserved with it (a budget's last tokens cannot pay them)."""
-    class Echoing(FakeUpstream):
-        def estimate_completion_tokens(self, handoff, span):
-            return span + 3
+class Echoing(FakeUpstream):
+    """As a chat_fallback reply does, it repeats the answer's end (3 tokens) before the span."""
 
+    def estimate_completion_tokens(self, handoff, span):
+        return span + 3
+
+
+@pytest.mark.parametrize("upstream", [Echoing("Paris", delay_s=0.3), FakeUpstream("Paris", delay_s=0.3, read_ahead=3)],
+                         ids=["echo", "read_ahead"])
+async def test_a_handoff_reserves_every_completion_token_its_call_bills(upstream):
+    """Completion tokens beyond the span that the provider bills (an echo of the answer's end, the
+    tokens a call reads ahead) are reserved with it: a budget's last tokens cannot pay them."""
     store = MemoryStore()
-    upstream = Echoing("Paris", delay_s=0.3)
     decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, store=store)
     task = asyncio.create_task(run(decoding))
     await asyncio.sleep(0.1)
@@ -636,17 +640,6 @@ async def test_a_request_like_an_earlier_one_takes_what_was_read_ahead_from_the_
     second, _ = make(FakeLocalModel(VOCAB, ""), upstream, store=store)
     assert "".join(p.text for p in await run(second)) == "Paris is nice." and upstream.calls == []
     invariant(second)
-
-
-async def test_a_call_that_reads_ahead_reserves_what_it_reads():
-    store = MemoryStore()
-    upstream = FakeUpstream("Paris", delay_s=0.3, read_ahead=3)
-    decoding, _ = make(FakeLocalModel(VOCAB, ""), upstream, store=store)
-    task = asyncio.create_task(run(decoding))
-    await asyncio.sleep(0.1)
-    held = 1000 - (await store.headroom("t", Limits(day_tokens=1000), time.time())).tokens
-    assert held == upstream.estimate_prompt_tokens(upstream.calls[0]) + 1 + 3
-    await task
 
 
 async def test_a_reservation_outlives_its_slowest_possible_call():
