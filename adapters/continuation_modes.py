@@ -258,7 +258,6 @@ class ChatMode(TextMode):
         return reply[len(answer):] if answer and reply.startswith(answer) else reply
 
 
-
 class ChatContinueMode(ChatMode):
     extra_body = {"continue_final_message": True, "add_generation_prompt": False}
     gives_alternatives = True  # the reply continues the answer's own text
