@@ -133,9 +133,13 @@ def test_a_rotated_key_refuses_its_old_secret_and_keeps_its_name_and_scopes(clie
 
 
 def test_an_expired_key_is_a_401_on_the_next_request(client):
-    issued = issue(client, expires_in_s=1)
+    """Its expiry is at least `expires_in_s` away (it was whole seconds from now, rounded down: a
+    key given 1 s could expire 0.1 s after it was issued), and at most one second more."""
+    started = time.time()
+    issued = issue(client, expires_in_s=2)
+    assert started + 2 <= issued["expires_at"] <= time.time() + 3
     assert client.get("/v1/usage", headers=auth(issued["key"])).status_code == 200
-    time.sleep(1.1)
+    time.sleep(max(0.0, issued["expires_at"] - time.time()) + 0.1)
     refused = client.get("/v1/usage", headers=auth(issued["key"]))
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
 

@@ -8,6 +8,7 @@ replica sees a change within a second.
 
 from __future__ import annotations
 
+import math
 import time
 from functools import cache
 from pathlib import Path
@@ -148,10 +149,12 @@ async def issue_key(tenant_id: str, request: Request):
 
 
 def expiry(body: KeyRequest) -> int | None:
+    """The key's expiry as Unix time: `expires_at`, or at least `expires_in_s` from now (rounded up
+    to the second, never down: a key given 1 s must not expire within the current second)."""
     if body.expires_at is not None and body.expires_in_s is not None:
         raise InvalidRequest("give expires_at or expires_in_s, not both", param="expires_in_s")
     if body.expires_in_s is not None:
-        return int(time.time()) + body.expires_in_s
+        return math.ceil(time.time()) + body.expires_in_s
     if body.expires_at is not None and body.expires_at <= time.time():
         raise InvalidRequest("expires_at is in the past", param="expires_at")
     return body.expires_at
