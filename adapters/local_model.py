@@ -29,7 +29,7 @@ from adapters.engine import ContextOverflow, Engine, Sequence
 from adapters.grammar import Grammar
 from adapters.slot_queue import Claim, QueueFull
 from adapters.steering import Steering, SteeringError
-from adapters.vocabulary import tokenize_parts
+from adapters.vocabulary import token_piece, tokenize_parts
 
 __all__ = ["Claim", "ContextOverflow", "LocalModel", "LocalModelError", "ModelGrammar", "QueueFull", "system_info"]
 GRAMMARS_KEPT = 8  # parsed grammars kept for cloning (each holds a vocabulary-sized array)
@@ -192,7 +192,7 @@ class LocalModel:
         piece = self._piece_cache.get(token)
         if piece is None:
             with self._calls.counted():
-                piece = self._llm.detokenize([token])
+                piece = token_piece(self._llm, token)
             self._piece_cache[token] = piece
         return piece
 

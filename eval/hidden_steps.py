@@ -20,7 +20,7 @@ import numpy as np
 from llama_cpp import Llama
 
 from adapters.chat_template import ChatTemplate
-from adapters.vocabulary import tokenize_parts
+from adapters.vocabulary import token_piece, tokenize_parts
 from fitting.datasets import Item, load_items
 from fitting.records import read_records, records_path
 from gateway.decoding.signals import signal_of, token_kind
@@ -54,7 +54,7 @@ class HiddenForcer:
         if len(tokens) > llm.n_ctx():
             raise ValueError(f"item {item.id}: {len(tokens)} tokens exceed the context of {llm.n_ctx()}")
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-        n_vocab, n_embd, kind_of = llm.n_vocab(), llm.n_embd(), lambda t: token_kind(llm.detokenize([t]))
+        n_vocab, n_embd, kind_of = llm.n_vocab(), llm.n_embd(), lambda t: token_kind(token_piece(llm, t))
         first = len(prompt) - 1  # the position whose logits predict the answer's first token
         llama_cpp.llama_set_embeddings(ctx, False)  # the prompt needs no output: no logits for each of its tokens
         for start in range(0, first, llm.n_batch):

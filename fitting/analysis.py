@@ -19,7 +19,7 @@ import numpy as np
 from llama_cpp import Llama
 
 from adapters.chat_template import ChatTemplate
-from adapters.vocabulary import tokenize_parts
+from adapters.vocabulary import token_piece, tokenize_parts
 from fitting.datasets import Item
 from gateway.decoding.signals import signal_of, token_kind
 from policies.online_check import auc
@@ -57,7 +57,7 @@ class TeacherForcer:
         rows = self.llm.scores[len(prompt) - 1: len(tokens)]
         mismatch, entropy, top1, margin, top, kind = [], [], [], [], [], []
         for position, (logits, token) in enumerate(zip(rows, reference)):
-            signal = signal_of(logits, position, lambda t: token_kind(self.llm.detokenize([t])))
+            signal = signal_of(logits, position, lambda t: token_kind(token_piece(self.llm, t)))
             mismatch.append(int(int(np.argmax(logits)) != token))
             entropy.append(round(signal.entropy, 4))
             top1.append(round(signal.top1, 4))

@@ -81,3 +81,10 @@ async def test_a_routed_answer_is_billed_mostly_from_the_cache(smol_path, smol_l
     fresh = usage.upstream_prompt_tokens - usage.upstream_cached_tokens
     assert fresh <= prompt + len(decoding.answer_tokens) + 2 * (usage.upstream_calls + 1), usage
     assert usage.upstream_cached_tokens > usage.upstream_prompt_tokens / 2
+
+
+def test_an_upstream_token_longer_than_32_bytes_keeps_its_bytes(qwen_path):
+    """The upstream's vocabulary too (tokens mode sends ids, and a call's reply is split in them)."""
+    vocab = Vocabulary(qwen_path)
+    data = b"x" + b" " * 40 + b"y"
+    assert b"".join(vocab.token_bytes(t) for t in vocab.text_ids(data)) == data

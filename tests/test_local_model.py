@@ -255,3 +255,18 @@ async def test_requests_arriving_together_with_one_prompt_prefill_it_once(local,
     alone = await greedy(solo, tokens, 2)
     for twin in twins:
         assert_same_greedy(twin, alone)
+
+
+async def test_a_token_longer_than_32_bytes_keeps_its_bytes(qwen_path):
+    """Qwen2.5 writes a run of 33 or more spaces as one token. llama-cpp-python's detokenize reads
+    32 bytes at most and gave b"" for it: the answer lost that text, its tokens parted from its
+    bytes, and an upstream writing one space a step could loop until the client left."""
+    model = await load(qwen_path, parallel=1)
+    try:
+        for run in (32, 33, 80):
+            data = b"\\[\n" + b" " * run + b"x"
+            tokens = model.tokenize_text(data)
+            assert b"".join(model.token_bytes(t) for t in tokens) == data
+        assert max(len(model.token_bytes(t)) for t in model.tokenize_text(b" " * 80)) > 32
+    finally:
+        model.close()
